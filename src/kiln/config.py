@@ -1,0 +1,240 @@
+"""Kiln's configuration: per-domain frozen dataclasses composed into ``KilnConfig``.
+
+Every field has a default and a docstring right under it. Invalid values raise ``ValueError`` that
+names the field, the value and what is allowed. Configs are immutable: a change is a new config
+made with ``KilnConfig.replace("section.field", value)``, which is how a platform's
+``check_and_update_config`` hands back what it changed and how Kiln records the difference for
+``kiln plugins``.
+
+This module knows nothing about platforms or plugins beyond the names of the fields a platform fills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+AUTO = "auto"
+"""A class field left for the platform to fill."""
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to serve and how to read it."""
+
+    model: str | None = None
+    """A GGUF file, a local Hugging Face folder, or a hub id; None serves the embedded default."""
+    served_model_name: str | None = None
+    """The name clients use in ``model``; defaults to the model's own name."""
+    tokenizer: str | None = None
+    """Where to read the tokenizer from when it is not beside the weights."""
+    dtype: str = "auto"
+    """Compute dtype: auto (the platform's preferred), float32, float16 or bfloat16."""
+    max_model_len: int | None = None
+    """Context length (prompt + output); None takes the model's own, capped by the platform."""
+    load_format: str = "auto"
+    """A registered loader name (gguf, safetensors, hub) or auto to pick by the model reference."""
+    seed: int = 0
+    """Seed of the random state of every process."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file path or the template text) replacing the model's."""
+    max_logprobs: int = 20
+    """The largest ``logprobs`` / ``top_logprobs`` a request may ask for."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in _DTYPES, "model.dtype", self.dtype, f"one of {list(_DTYPES)}")
+        _check(
+            self.max_model_len is None or self.max_model_len > 0,
+            "model.max_model_len",
+            self.max_model_len,
+            "a positive integer or None",
+        )
+        _check(self.max_logprobs >= 0, "model.max_logprobs", self.max_logprobs, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Token slots per KV-cache block."""
+    kv_cache_memory: float | None = None
+    """KV-cache size: GiB when > 1, a fraction of free device memory when in (0, 1]; None lets
+    the platform decide."""
+    enable_prefix_caching: bool = True
+    """Share full blocks between requests whose prompts start the same way."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "cache.block_size",
+            self.block_size,
+            "a power of two from 1 to 256",
+        )
+        _check(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            "cache.kv_cache_memory",
+            self.kv_cache_memory,
+            "a fraction in (0, 1], a size in GiB above 1, or None",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget: the most tokens one step computes."""
+    enable_chunked_prefill: bool = True
+    """Split a long prompt over several steps instead of waiting for a step with room."""
+    max_num_waiting: int | None = None
+    """Most requests queued before new ones are refused (HTTP 503); None is unbounded."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "scheduler.max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "an integer >= 1",
+        )
+        _check(
+            self.max_num_waiting is None or self.max_num_waiting >= 0,
+            "scheduler.max_num_waiting",
+            self.max_num_waiting,
+            "an integer >= 0 or None",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over devices and processes."""
+
+    tensor_parallel_size: int = 1
+    """Devices one copy of the model is split over."""
+    distributed_executor_backend: str = "uni"
+    """uni (in the engine core), mp (a process per rank) or ray (many machines)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tensor_parallel_size >= 1,
+            "parallel.tensor_parallel_size",
+            self.tensor_parallel_size,
+            "an integer >= 1",
+        )
+        _check(
+            self.distributed_executor_backend in ("uni", "mp", "ray"),
+            "parallel.distributed_executor_backend",
+            self.distributed_executor_backend,
+            "one of ['uni', 'mp', 'ray']",
+        )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Which platform runs the model, and the classes it names."""
+
+    platform: str | None = None
+    """Force a platform by name (also ``KILN_PLATFORM``); None selects by detection."""
+    worker_cls: str = AUTO
+    """Dotted path of the worker class (filled by the platform)."""
+    model_runner_cls: str = AUTO
+    """Dotted path of the model runner class (filled by the platform)."""
+    scheduler_cls: str = AUTO
+    """Dotted path of the scheduler class (filled by the platform; Kiln's by default)."""
+    attention_backend: str = AUTO
+    """Dotted path of the attention backend class (filled by the platform)."""
+    communicator_cls: str = AUTO
+    """Dotted path of the device communicator class (filled by the platform)."""
+    graph_wrapper_cls: str = AUTO
+    """Dotted path of the graph-capture wrapper class (filled by the platform)."""
+
+
+CLASS_FIELDS = (
+    "worker_cls",
+    "model_runner_cls",
+    "scheduler_cls",
+    "attention_backend",
+    "communicator_cls",
+    "graph_wrapper_cls",
+)
+"""The ``DeviceConfig`` fields a platform fills with dotted paths."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Settings for plugins: raw sections by plugin name, validated against what each declares."""
+
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``{"plugin-name": {...}}`` as given to ``--plugin-config``; see ``kiln.plugins.config``."""
+
+
+@dataclass(frozen=True)
+class KilnConfig:
+    """Everything one engine needs, by domain."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    plugins: PluginConfig = field(default_factory=PluginConfig)
+
+    def replace(self, **changes: Any) -> KilnConfig:
+        """A copy with fields changed, named ``section__field`` (``device__worker_cls="x.Y"``).
+
+        Raises:
+            ValueError: an unknown section or field (names the allowed ones), or an invalid value.
+        """
+        by_section: dict[str, dict[str, Any]] = {}
+        for key, value in changes.items():
+            section, sep, name = key.partition("__")
+            if not sep or section not in _SECTIONS:
+                raise ValueError(
+                    f"{key!r} is not a config field; use section__field with a section in "
+                    f"{list(_SECTIONS)}"
+                )
+            allowed = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+            if name not in allowed:
+                raise ValueError(f"{section}.{name} is not a config field; allowed: {allowed}")
+            by_section.setdefault(section, {})[name] = value
+        return dataclasses.replace(
+            self,
+            **{
+                section: dataclasses.replace(getattr(self, section), **values)
+                for section, values in by_section.items()
+            },
+        )
+
+    def flat(self) -> dict[str, Any]:
+        """Every field as ``{"section.field": value}``."""
+        return {
+            f"{section}.{f.name}": getattr(getattr(self, section), f.name)
+            for section in _SECTIONS
+            for f in dataclasses.fields(_SECTIONS[section])
+        }
+
+    def diff(self, other: KilnConfig) -> list[tuple[str, Any, Any]]:
+        """``[(field, old, new)]`` for every field that differs from ``self`` in ``other``."""
+        mine, theirs = self.flat(), other.flat()
+        return [(key, mine[key], theirs[key]) for key in mine if mine[key] != theirs[key]]
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "device": DeviceConfig,
+    "plugins": PluginConfig,
+}

@@ -1,0 +1,1 @@
+"""Process groups and device communicators."""

@@ -1,0 +1,70 @@
+"""Device communicators: the collectives tensor parallelism needs, per platform.
+
+A platform names its communicator class (``communicator_cls``). The reference implementation uses
+``torch.distributed`` with the platform's ``dist_backend`` and is the identity when the group has
+one rank, so a single-device engine needs no process group at all.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator(ABC):
+    """Collectives over the ranks of one model replica."""
+
+    @abstractmethod
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None: ...
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum over ranks."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim`` in rank order."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s ``tensor`` on every rank."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+
+class TorchDistCommunicator(Communicator):
+    """``torch.distributed`` collectives; the identity for a single rank."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
+        self.rank, self.world_size, self.device = rank, world_size, device
+        if world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed must be initialised before a communicator with "
+                f"world_size={world_size}"
+            )
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.broadcast(tensor, src)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()

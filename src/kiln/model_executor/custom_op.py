@@ -1,0 +1,165 @@
+"""Custom ops: a pure-PyTorch reference plus per-provider implementations chosen by priority.
+
+Every layer whose speed depends on the hardware (norms, activations, rotary embedding, linear,
+embedding) is a ``CustomOp``: a ``torch.nn.Module`` with a ``forward_native`` that is the reference.
+A provider (a platform plugin, a kernel library) registers an implementation of an op for a device
+type with a priority, and optionally a ``supports(module, *args, **kwargs)`` predicate. A call picks
+the highest-priority implementation for the current platform's device type whose predicate accepts
+the call, and falls back to ``forward_native``.
+
+An implementation is a function ``fn(module, *args, **kwargs)`` with the same contract as the op's
+``forward_native``: it may read the module's parameters and attributes.
+
+This module knows nothing about models or about which platform is running, beyond asking
+``kiln.platforms.current_platform`` for its ``device_type`` when an op is first called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kiln.plugins.registry import Override, Registry, current_source, describe
+
+ImplFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """One registered implementation of an op."""
+
+    op: str
+    provider: str
+    device_type: str
+    fn: ImplFn
+    priority: int
+    supports: Callable[..., bool] | None
+    source: str
+
+
+class OpRegistry:
+    """Ops by name, and their implementations by (provider, device type)."""
+
+    def __init__(self) -> None:
+        self.ops: Registry[type[CustomOp]] = Registry("op")
+        self._impls: dict[str, dict[tuple[str, str], OpImpl]] = {}
+        self.overrides: list[Override] = []
+        # Bumped on every change so that ops re-resolve their candidate lists lazily.
+        self.generation = 0
+
+    def register_op(self, name: str, *, override: bool = False) -> Callable[[type], type]:
+        """Class decorator: make a ``CustomOp`` subclass known under ``name``."""
+
+        def decorator(cls: type) -> type:
+            if not (isinstance(cls, type) and issubclass(cls, CustomOp)):
+                raise TypeError(f"{describe(cls)} must subclass CustomOp to register as an op")
+            cls.op_name = name
+            self.ops.register(name, cls, override=override)
+            self.generation += 1
+            return cls
+
+        return decorator
+
+    def register_impl(
+        self,
+        op: str,
+        provider: str,
+        *,
+        device_type: str,
+        priority: int = 0,
+        supports: Callable[..., bool] | None = None,
+        override: bool = False,
+    ) -> Callable[[ImplFn], ImplFn]:
+        """Decorator: register ``fn(module, *args, **kwargs)`` as ``provider``'s version of ``op``.
+
+        Raises:
+            ValueError: ``provider`` already has a different implementation of ``op`` for
+                ``device_type`` and ``override`` is false.
+        """
+
+        def decorator(fn: ImplFn) -> ImplFn:
+            impl = OpImpl(op, provider, device_type, fn, priority, supports, current_source())
+            impls = self._impls.setdefault(op, {})
+            old = impls.get((provider, device_type))
+            if old is not None and (old.fn, old.priority, old.supports) != (
+                fn,
+                priority,
+                supports,
+            ):
+                if not override:
+                    raise ValueError(
+                        f"op {op!r} already has an implementation from provider {provider!r} for "
+                        f"device {device_type!r} ({describe(old.fn)}, by {old.source}); "
+                        "pass override=True to replace it"
+                    )
+                self.overrides.append(
+                    Override(
+                        "op",
+                        f"{op}[{provider}@{device_type}]",
+                        describe(old.fn),
+                        describe(fn),
+                        old.source,
+                        impl.source,
+                    )
+                )
+            if old is None or old != impl:
+                impls[(provider, device_type)] = impl
+                self.generation += 1
+            return fn
+
+        return decorator
+
+    def implementations(self, op: str, device_type: str | None = None) -> list[OpImpl]:
+        """``op``'s implementations (for ``device_type`` if given), highest priority first."""
+        impls = [
+            impl
+            for impl in self._impls.get(op, {}).values()
+            if device_type is None or impl.device_type == device_type
+        ]
+        return sorted(impls, key=lambda impl: -impl.priority)
+
+
+OP_REGISTRY = OpRegistry()
+
+
+class CustomOp(torch.nn.Module):
+    """Base of every dispatchable layer. Subclasses define ``forward_native``."""
+
+    op_name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._dispatch_generation = -1
+        self._candidates: list[OpImpl] = []
+
+    def forward_native(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define forward_native")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._dispatch_generation != OP_REGISTRY.generation:
+            self._refresh_candidates()
+        for impl in self._candidates:
+            if impl.supports is None or impl.supports(self, *args, **kwargs):
+                return impl.fn(self, *args, **kwargs)
+        return self.forward_native(*args, **kwargs)
+
+    def selected_impl(self, *args: Any, **kwargs: Any) -> str:
+        """The provider that would run this call (``"native"`` for ``forward_native``)."""
+        self._refresh_candidates()
+        for impl in self._candidates:
+            if impl.supports is None or impl.supports(self, *args, **kwargs):
+                return impl.provider
+        return "native"
+
+    def _refresh_candidates(self) -> None:
+        from kiln.platforms import current_platform
+
+        self._candidates = OP_REGISTRY.implementations(self.op_name, current_platform.device_type)
+        self._dispatch_generation = OP_REGISTRY.generation
+
+
+register_op = OP_REGISTRY.register_op
+register_impl = OP_REGISTRY.register_impl

@@ -1,0 +1,172 @@
+"""The Platform contract: everything Kiln asks of a piece of hardware.
+
+A platform is a class of classmethods (never instantiated). The core reads its identity and
+capabilities as data, asks it about devices and memory, lets it adjust the config once through
+``check_and_update_config``, and instantiates the classes it names by dotted path (worker, model
+runner, scheduler, attention backend, communicator, graph wrapper), resolved lazily so importing a
+platform module costs nothing.
+
+Versioning: ``api_version`` is ``"MAJOR.MINOR"``. A platform built against a different MAJOR than
+``PLATFORM_API_VERSION`` is refused at load with both versions in the message; MINOR additions are
+backwards compatible (new methods get defaults here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kiln.config import AUTO, CLASS_FIELDS
+
+if TYPE_CHECKING:
+    from kiln.config import KilnConfig
+
+PLATFORM_API_VERSION = "1.0"
+"""The version of this contract. Bump MAJOR for breaking changes, MINOR for additions."""
+
+
+class Platform:
+    """Base of every platform. Subclasses override class attributes and classmethods."""
+
+    # -- identity ---------------------------------------------------------------------------
+    api_version: ClassVar[str] = PLATFORM_API_VERSION
+    """The contract version this platform was written against."""
+    name: ClassVar[str] = "unspecified"
+    """Short name, used by ``--platform`` and in logs."""
+    device_type: ClassVar[str] = "cpu"
+    """The torch device type of its tensors ("cpu", "cuda", "npu"...); custom ops dispatch on it."""
+    dist_backend: ClassVar[str] = "gloo"
+    """The ``torch.distributed`` backend between its devices."""
+    device_control_env_var: ClassVar[str | None] = None
+    """The environment variable that limits the visible devices (e.g. ``CUDA_VISIBLE_DEVICES``)."""
+
+    # -- capabilities, as data ----------------------------------------------------------------
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    """Compute dtypes, preferred first (the first is what ``dtype="auto"`` takes)."""
+    supported_quantization: ClassVar[tuple[str, ...]] = ()
+    """Weight quantization methods it can keep quantized in memory ("gguf", "fp8"...)."""
+    supports_graph_capture: ClassVar[bool] = False
+    """Whether ``graph_wrapper_cls`` captures graphs (False: it runs eagerly)."""
+
+    # -- device ---------------------------------------------------------------------------------
+    @classmethod
+    def device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def get_device(cls, local_rank: int = 0) -> torch.device:
+        """The torch device of ``local_rank``."""
+        return torch.device(cls.device_type, local_rank) if cls.device_type != "cpu" else (
+            torch.device("cpu")
+        )
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """Make ``device`` current in this process."""
+
+    @classmethod
+    def mem_get_info(cls, device: torch.device) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of ``device``."""
+        raise NotImplementedError(f"platform {cls.name!r} does not report memory")
+
+    @classmethod
+    def synchronize(cls, device: torch.device | None = None) -> None:
+        """Wait for the device's queued work."""
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        """Seed Python's, NumPy's and torch's random state (device generators included)."""
+        import numpy as np
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    @classmethod
+    @contextlib.contextmanager
+    def inference_mode(cls) -> Iterator[None]:
+        """The autograd mode model execution runs under."""
+        with torch.inference_mode():
+            yield
+
+    # -- config -----------------------------------------------------------------------------------
+    @classmethod
+    def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
+        """Validate ``config`` for this platform and return it with what the platform changes.
+
+        The default fills every class field left at ``"auto"`` from the factories below and
+        resolves ``dtype="auto"``. Overrides should call ``super()`` and return a config made with
+        ``config.replace(...)``; Kiln records every field that changed for ``kiln plugins``.
+
+        Raises:
+            ValueError: a setting this platform cannot honour (name the field and the allowed
+                values).
+        """
+        factories = {
+            "worker_cls": cls.get_worker_cls,
+            "model_runner_cls": cls.get_model_runner_cls,
+            "scheduler_cls": cls.get_scheduler_cls,
+            "attention_backend": lambda: cls.get_attn_backend_cls(config),
+            "communicator_cls": cls.get_communicator_cls,
+            "graph_wrapper_cls": cls.get_graph_wrapper_cls,
+        }
+        changes: dict[str, object] = {
+            f"device__{name}": factories[name]()
+            for name in CLASS_FIELDS
+            if getattr(config.device, name) == AUTO
+        }
+        if config.model.dtype == "auto":
+            changes["model__dtype"] = cls.supported_dtypes[0]
+        elif config.model.dtype not in cls.supported_dtypes:
+            raise ValueError(
+                f"model.dtype={config.model.dtype!r} is not supported on platform {cls.name!r}; "
+                f"allowed: {['auto', *cls.supported_dtypes]}"
+            )
+        return config.replace(**changes) if changes else config
+
+    # -- factories: dotted paths, resolved lazily by the core ---------------------------------
+    @classmethod
+    def get_worker_cls(cls) -> str:
+        return "kiln.worker.worker.Worker"
+
+    @classmethod
+    def get_model_runner_cls(cls) -> str:
+        return "kiln.worker.model_runner.ModelRunner"
+
+    @classmethod
+    def get_scheduler_cls(cls) -> str:
+        return "kiln.core.sched.scheduler.Scheduler"
+
+    @classmethod
+    def get_attn_backend_cls(cls, config: KilnConfig) -> str:
+        raise NotImplementedError(f"platform {cls.name!r} names no attention backend")
+
+    @classmethod
+    def get_communicator_cls(cls) -> str:
+        return "kiln.distributed.communicator.TorchDistCommunicator"
+
+    @classmethod
+    def get_graph_wrapper_cls(cls) -> str:
+        return "kiln.worker.graph.EagerGraphWrapper"
+
+
+class UnspecifiedPlatform(Platform):
+    """Stands in when no platform activates; every device operation fails with a clear error."""
+
+    name = "unspecified"
+
+
+def api_major(version: str) -> int:
+    """The MAJOR of ``"MAJOR.MINOR"``.
+
+    Raises:
+        ValueError: not of that form.
+    """
+    major, _, _minor = str(version).partition(".")
+    if not major.isdigit():
+        raise ValueError(f"api_version={version!r} is not of the form 'MAJOR.MINOR'")
+    return int(major)

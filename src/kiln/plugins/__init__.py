@@ -1,0 +1,35 @@
+"""Kiln's plugin system: discovery, the per-process lifecycle, registries, and introspection.
+
+``init_process(role, config)`` is the one call each process makes before building an engine part.
+"""
+
+from __future__ import annotations
+
+from kiln.config import KilnConfig
+from kiln.plugins.manager import PluginManager, get_plugin_manager
+
+ROLES = ("api", "engine", "worker", "offline")
+
+
+def init_process(role: str, config: KilnConfig) -> KilnConfig:
+    """Run the plugin lifecycle for this process and return the platform-updated config.
+
+    Phases, each once per process: discover -> select platform -> register (general plugins,
+    then platform-scope patches) -> configure -> (workers only) worker-scope patches.
+
+    Raises:
+        ValueError: unknown ``role``, or a config the platform or a plugin rejects.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role={role!r} is invalid; allowed: {list(ROLES)}")
+    manager = get_plugin_manager()
+    manager.discover()
+    manager.select_platform(config.device.platform)
+    manager.load_general_plugins()
+    config = manager.configure(config)
+    if role == "worker":
+        manager.init_worker()
+    return config
+
+
+__all__ = ["PluginManager", "get_plugin_manager", "init_process"]
