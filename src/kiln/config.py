@@ -6,7 +6,8 @@ made with ``KilnConfig.replace("section.field", value)``, which is how a platfor
 ``check_and_update_config`` hands back what it changed and how Kiln records the difference for
 ``kiln plugins``.
 
-This module knows nothing about platforms or plugins beyond the names of the fields a platform fills.
+This module knows nothing about platforms or plugins beyond the names of the fields a platform
+fills.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class SchedulerConfig:
     """Most requests queued before new ones are refused (HTTP 503); None is unbounded."""
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        _check(
+            self.max_num_seqs >= 1, "scheduler.max_num_seqs", self.max_num_seqs, "an integer >= 1"
+        )
         _check(
             self.max_num_batched_tokens >= 1,
             "scheduler.max_num_batched_tokens",

@@ -138,6 +138,15 @@ class CustomOp(torch.nn.Module):
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define forward_native")
 
+    @classmethod
+    def make_examples(cls, generator: torch.Generator) -> list[tuple[CustomOp, tuple, dict]]:
+        """Sample ``(op instance, args, kwargs)`` calls on CPU tensors drawn from ``generator``.
+
+        The conformance kit runs every registered implementation on these and compares it with
+        ``forward_native``; an op without examples cannot be checked (the kit reports it).
+        """
+        return []
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._dispatch_generation != OP_REGISTRY.generation:
             self._refresh_candidates()

@@ -147,7 +147,9 @@ class PatchRegistry:
         if scope not in SCOPES:
             raise ValueError(f"patch scope={scope!r} is invalid; allowed: {list(SCOPES)}")
         if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"patch on_mismatch={on_mismatch!r} is invalid; allowed: {ON_MISMATCH}")
+            raise ValueError(
+                f"patch on_mismatch={on_mismatch!r} is invalid; allowed: {ON_MISMATCH}"
+            )
         if not reason.strip():
             raise ValueError(f"patch of {target!r} needs a reason (which hook is missing)")
         existing = self.patches.get(target)
@@ -158,7 +160,9 @@ class PatchRegistry:
                 f"{target!r} is already patched by {existing.source}; two plugins cannot patch "
                 "the same target"
             )
-        patch = Patch(target, replacement, scope, reason, fingerprint, on_mismatch, current_source())
+        patch = Patch(
+            target, replacement, scope, reason, fingerprint, on_mismatch, current_source()
+        )
         self.patches[target] = patch
         return patch
 
@@ -183,15 +187,15 @@ class PatchRegistry:
             logger.error("patch %s from %s refused: %s", patch.target, patch.source, exc)
             return
         if actual != patch.fingerprint:
-            detail = (
-                f"target source changed: fingerprint {actual} != declared {patch.fingerprint}"
-            )
+            detail = f"target source changed: fingerprint {actual} != declared {patch.fingerprint}"
             if patch.on_mismatch == "refuse":
                 patch.status, patch.detail = "refused", detail
                 logger.error("patch %s from %s refused: %s", patch.target, patch.source, detail)
                 return
             patch.status, patch.detail = "applied-with-warning", detail
-            logger.warning("patch %s from %s applied anyway: %s", patch.target, patch.source, detail)
+            logger.warning(
+                "patch %s from %s applied anyway: %s", patch.target, patch.source, detail
+            )
         else:
             patch.status = "applied"
         patch.original = original

@@ -60,8 +60,10 @@ class Platform:
     @classmethod
     def get_device(cls, local_rank: int = 0) -> torch.device:
         """The torch device of ``local_rank``."""
-        return torch.device(cls.device_type, local_rank) if cls.device_type != "cpu" else (
-            torch.device("cpu")
+        return (
+            torch.device(cls.device_type, local_rank)
+            if cls.device_type != "cpu"
+            else (torch.device("cpu"))
         )
 
     @classmethod

@@ -1,12 +1,16 @@
 """Kiln's plugin system: discovery, the per-process lifecycle, registries, and introspection.
 
 ``init_process(role, config)`` is the one call each process makes before building an engine part.
+This package's ``__init__`` imports nothing else, so that ``kiln.plugins.registry`` can be used by
+the registries themselves without import cycles.
 """
 
 from __future__ import annotations
 
-from kiln.config import KilnConfig
-from kiln.plugins.manager import PluginManager, get_plugin_manager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.config import KilnConfig
 
 ROLES = ("api", "engine", "worker", "offline")
 
@@ -19,7 +23,10 @@ def init_process(role: str, config: KilnConfig) -> KilnConfig:
 
     Raises:
         ValueError: unknown ``role``, or a config the platform or a plugin rejects.
+        PlatformSelectionError: no usable platform (see ``kiln.plugins.manager``).
     """
+    from kiln.plugins.manager import get_plugin_manager
+
     if role not in ROLES:
         raise ValueError(f"role={role!r} is invalid; allowed: {list(ROLES)}")
     manager = get_plugin_manager()
@@ -30,6 +37,3 @@ def init_process(role: str, config: KilnConfig) -> KilnConfig:
     if role == "worker":
         manager.init_worker()
     return config
-
-
-__all__ = ["PluginManager", "get_plugin_manager", "init_process"]

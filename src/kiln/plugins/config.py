@@ -27,7 +27,9 @@ from kiln.plugins.registry import Registry
 
 
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", None) or str(tp)
 
 
 def _matches(value: Any, tp: Any) -> bool:

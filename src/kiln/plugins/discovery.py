@@ -34,7 +34,7 @@ class PluginRecord:
     """``name version`` of the package that declares it (``kiln`` for built-ins)."""
     status: str = "found"
     """found | loaded | filtered | failed (general plugins); for platform detectors:
-    active | inactive | error | not-run."""
+    active | chosen | inactive | error | not-run | refused."""
     detail: str = ""
     """The platform path a detector returned, why a plugin was filtered, or the error."""
     traceback: str = ""

@@ -103,8 +103,9 @@ def check_implements(cls: type, interface: type) -> None:
         InterfaceError: ``cls`` is not a class, lacks a method, or a method's signature differs.
     """
     if not isinstance(cls, type):
-        raise InterfaceError(f"{cls!r} is not a class (expected an implementation of "
-                             f"{interface.__qualname__})")
+        raise InterfaceError(
+            f"{cls!r} is not a class (expected an implementation of {interface.__qualname__})"
+        )
     if issubclass(cls, interface) and inspect.isabstract(cls):
         missing = sorted(cls.__abstractmethods__)
         raise InterfaceError(

@@ -87,7 +87,12 @@ def build_report(
         for impl in OP_REGISTRY.implementations(name)
     ]
     registered = [
-        {"registry": reg.kind, "name": name, "value": describe(value), "plugin": reg.source_of(name)}
+        {
+            "registry": reg.kind,
+            "name": name,
+            "value": describe(value),
+            "plugin": reg.source_of(name),
+        }
         for reg in (MODEL_REGISTRY, LOADER_REGISTRY, OP_REGISTRY.ops)
         for name, value in reg.items()
         if reg.source_of(name) != "kiln"
@@ -158,7 +163,9 @@ def format_report(report: dict[str, Any]) -> str:
         ["registry", "name", "old", "new", "source"],
     )
     lines += _table(
-        "Registered by plugins", report["plugin_registrations"], ["registry", "name", "value", "plugin"]
+        "Registered by plugins",
+        report["plugin_registrations"],
+        ["registry", "name", "value", "plugin"],
     )
     lines += _table(
         "Op implementations",
@@ -171,7 +178,9 @@ def format_report(report: dict[str, Any]) -> str:
         for section, rows in report["plugin_config"].items()
         for row in rows
     ]
-    lines += _table("Plugin config (--plugin-config)", config_rows, ["section", "field", "type", "default"])
+    lines += _table(
+        "Plugin config (--plugin-config)", config_rows, ["section", "field", "type", "default"]
+    )
     tracebacks = [
         r for r in report["platform_plugins"] + report["general_plugins"] if r.get("traceback")
     ]

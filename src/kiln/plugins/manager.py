@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kiln.config import CLASS_FIELDS, AUTO, KilnConfig
+from kiln.config import AUTO, CLASS_FIELDS, KilnConfig
 from kiln.patches import PATCH_REGISTRY, PatchRegistry
 from kiln.platforms.interface import PLATFORM_API_VERSION, Platform, api_major
 from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
@@ -179,6 +179,7 @@ class PluginManager:
                 f"{version}, but this Kiln provides API {PLATFORM_API_VERSION}: the major versions "
                 "differ; install a release of the plugin built for this Kiln"
             )
+        record.status = "chosen"
         self.choice = PlatformChoice(record.name, record.detail, reason, platform_cls)
         self.phases.append("select")
         logger.info("platform %s selected (%s)", record.name, reason)

@@ -16,18 +16,18 @@ import torch
 
 
 class ModelLoader(ABC):
-    """Base of every loader. Registered by name in ``kiln.model_executor.loader.LOADER_REGISTRY``."""
+    """Base of every loader, registered by name in ``kiln.model_executor.loader.LOADER_REGISTRY``."""
 
     name: ClassVar[str] = ""
 
     @classmethod
     @abstractmethod
     def can_load(cls, model: str) -> bool:
-        """Whether this loader understands ``model`` (cheap: looks at the path, reads no weights)."""
+        """Whether this loader understands ``model`` (cheap: reads the path, not the weights)."""
 
     @abstractmethod
     def load_hf_config(self, model: str) -> dict[str, Any]:
-        """The model's config as a ``config.json``-style dict (``architectures``, sizes, rope...)."""
+        """The model's config as a ``config.json``-style dict (architectures, sizes, rope)."""
 
     @abstractmethod
     def iter_weights(self, model: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

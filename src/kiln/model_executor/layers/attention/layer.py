@@ -1,0 +1,155 @@
+"""The ``Attention`` layer that models use, and the helpers that bind KV caches to it.
+
+A model builds one ``Attention`` per transformer layer with its head counts, scale and a unique
+``prefix`` (its layer name, e.g. ``"model.layers.0.self_attn.attn"``). The layer never sees the
+batch layout: in ``forward`` it takes the step's metadata from the forward context and its own KV
+cache from ``self.kv_cache``, which the model runner binds once, after allocating the caches
+(``bind_kv_cache``), and hands both to the backend's ``AttentionImpl``.
+
+The layer knows nothing about the kernels; the backend class comes from the caller or from
+``get_attn_backend()`` (the platform's choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.forward_context import get_forward_context
+from kiln.model_executor.layers.attention.backend import AttentionBackend
+
+
+class Attention(nn.Module):
+    """Paged, causal, grouped-query attention over one layer's KV cache.
+
+    Args:
+        num_heads: query heads.
+        head_size: dimension of each head.
+        scale: multiplier of ``q @ k^T``.
+        num_kv_heads: key/value heads (default: ``num_heads``); must divide ``num_heads``.
+        prefix: the layer name, unique in the model; KV caches are bound by it.
+        sliding_window: attend only to the last ``sliding_window`` positions, or ``None``.
+        backend: the backend class; default: ``get_attn_backend()``.
+
+    Raises:
+        ValueError: a head count is not positive or ``num_kv_heads`` does not divide ``num_heads``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        *,
+        prefix: str = "",
+        sliding_window: int | None = None,
+        backend: type[AttentionBackend] | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1 or head_size < 1:
+            raise ValueError(
+                f"num_heads ({num_heads}), num_kv_heads ({num_kv_heads}) and head_size "
+                f"({head_size}) must be >= 1"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if backend is None:
+            # Imported here: the package __init__ imports this module.
+            from kiln.model_executor.layers.attention import get_attn_backend
+
+            backend = get_attn_backend()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.layer_name = prefix
+        self.backend = backend
+        self.impl = backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window
+        )
+        # Bound by the model runner after allocation (bind_kv_cache); a plain attribute, not a
+        # buffer, so it stays out of state_dict() and .to().
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attend the step's tokens; see ``AttentionImpl.forward``.
+
+        Args:
+            query: [num_tokens, num_heads * head_size] (or [num_tokens, num_heads, head_size]).
+            key: [num_tokens, num_kv_heads * head_size] (or 3-D).
+            value: like ``key``.
+
+        Returns:
+            [num_tokens, num_heads * head_size]; zeros in a dummy run (no attention metadata).
+
+        Raises:
+            RuntimeError: outside a forward context, or no KV cache is bound to this layer.
+        """
+        context = get_forward_context()
+        num_tokens = query.shape[0]
+        if context.attn_metadata is None:
+            return query.new_zeros(num_tokens, self.num_heads * self.head_size)
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"attention layer {self.layer_name!r} has no KV cache bound; "
+                "the model runner must call bind_kv_cache() after allocating the caches"
+            )
+        query = query.view(num_tokens, self.num_heads, self.head_size)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        return self.impl.forward(self, query, key, value, self.kv_cache, context.attn_metadata)
+
+    def extra_repr(self) -> str:
+        return (
+            f"name={self.layer_name!r}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+            f"backend={self.backend.get_name()}"
+        )
+
+
+def get_attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """The model's ``Attention`` layers by layer name (their ``prefix``), in module order.
+
+    Raises:
+        ValueError: two layers share a name.
+    """
+    layers: dict[str, Attention] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer_name in layers:
+                raise ValueError(f"two Attention layers are named {module.layer_name!r}")
+            layers[module.layer_name] = module
+    return layers
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    """Set each ``Attention`` layer's ``kv_cache`` to ``kv_caches[layer_name]``.
+
+    Raises:
+        ValueError: a layer has no cache or a cache has no layer (the message names them).
+
+    Side effects:
+        sets ``layer.kv_cache`` on every attention layer of ``model``.
+    """
+    layers = get_attention_layers(model)
+    missing = sorted(set(layers) - set(kv_caches))
+    extra = sorted(set(kv_caches) - set(layers))
+    if missing or extra:
+        details: list[Any] = []
+        if missing:
+            details.append(f"layers without a cache: {missing}")
+        if extra:
+            details.append(f"caches without a layer: {extra}")
+        raise ValueError(
+            "KV caches do not match the model's attention layers; " + "; ".join(details)
+        )
+    for name, layer in layers.items():
+        layer.kv_cache = kv_caches[name]

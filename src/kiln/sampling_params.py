@@ -1,0 +1,252 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and meanings.
+
+Contract: a ``SamplingParams`` is a plain dataclass of plain values (ints, floats, strings, lists,
+dicts, a set and two ``IntEnum`` s), so it pickles and round-trips through msgspec unchanged, and it
+is validated once, in ``__post_init__``: every invalid value raises ``ValueError`` naming the field,
+the value and the allowed range. After construction the params are normalised: ``stop`` and
+``stop_token_ids`` are lists, ``top_k`` is 0 when off, and a greedy request (``temperature``
+below ``SAMPLING_EPS``) has its ``top_p`` / ``top_k`` / ``min_p`` reset to "off", so batched filters
+see no work for it.
+
+What it must not know: tokenizers and models. The one model fact it takes is the EOS token id, which
+the input processor passes in through ``update_from_generation_config`` (so that ``min_tokens`` can
+mask EOS and a generation config's extra EOS ids stop generation). Limits that depend on the server
+(``max_logprobs``) or on the model (vocabulary size, context length) are checked by the caller;
+``verify_max_logprobs`` is the helper for the first.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is greedy (argmax); dividing by it would overflow.
+SAMPLING_EPS = 1e-5
+
+_MAX_PENALTY = 2.0
+_MAX_LOGIT_BIAS = 100.0
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler picks a request's token."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request carries (as vLLM's)."""
+
+    CUMULATIVE = 0
+    """Everything generated so far, every time."""
+    DELTA = 1
+    """Only what is new since the previous output."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes."""
+
+
+def _invalid(name: str, allowed: str, value: Any) -> ValueError:
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt. Field names and defaults follow vLLM.
+
+    Raises:
+        ValueError: from the constructor, for any value outside its allowed range; the message names
+            the field, the value and the range.
+    """
+
+    n: int = 1
+    """Number of completions to return for the prompt."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated; in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated; in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens seen in the prompt or output; > 0."""
+    temperature: float = 1.0
+    """Softmax temperature; below ``SAMPLING_EPS`` (e.g. 0) means greedy."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probabilities reach ``top_p``; (0, 1]."""
+    top_k: int = 0
+    """Keep the ``top_k`` most likely tokens; 0 or -1 turns it off (stored as 0)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1]."""
+    seed: int | None = None
+    """Seed of the request's own random generator: same seed, same tokens, whatever the batch."""
+    stop: str | list[str] | None = None
+    """Strings that end generation when generated (not included unless asked); a list after init."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (included in the output tokens); a list after init."""
+    ignore_eos: bool = False
+    """Keep generating after EOS."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None: up to the model's context length."""
+    min_tokens: int = 0
+    """Fewest tokens to generate before EOS or ``stop_token_ids`` may end generation."""
+    logprobs: int | None = None
+    """Number of top logprobs to return per generated token, besides the sampled token's."""
+    prompt_logprobs: int | None = None
+    """Number of top logprobs to return per prompt token, besides the prompt token's."""
+    detokenize: bool = True
+    """Produce text; False returns token ids only (stop strings then can't work)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """Put spaces between special tokens in the text."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling, in [-100, 100]; keys may be strings."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each output of the request carries."""
+
+    # Stop token ids plus every EOS id (even with ignore_eos): what min_tokens masks. Filled from
+    # stop_token_ids here and from the model in update_from_generation_config.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = self._parse_logit_bias(self.logit_bias)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
+        self._verify_args()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the filters change nothing, so turn them off (the batch may skip them).
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+        self._all_stop_token_ids = set(self._all_stop_token_ids)
+        self._all_stop_token_ids.update(self.stop_token_ids)
+
+    @staticmethod
+    def _parse_logit_bias(logit_bias: dict[Any, Any]) -> dict[int, float]:
+        parsed: dict[int, float] = {}
+        for token, bias in logit_bias.items():
+            try:
+                token_id = int(token)
+            except (TypeError, ValueError):
+                raise _invalid("logit_bias keys", "token ids (integers)", token) from None
+            if token_id < 0:
+                raise _invalid("logit_bias keys", "token ids >= 0", token)
+            if not _is_number(bias) or not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                raise _invalid(f"logit_bias[{token_id}]", "in [-100, 100]", bias)
+            parsed[token_id] = float(bias)
+        return parsed
+
+    def _verify_args(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise _invalid("n", "an integer >= 1", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -_MAX_PENALTY <= value <= _MAX_PENALTY:
+                raise _invalid(name, "in [-2, 2]", value)
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise _invalid("repetition_penalty", "> 0", self.repetition_penalty)
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            raise _invalid("temperature", ">= 0", self.temperature)
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _invalid("top_p", "in (0, 1]", self.top_p)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _invalid("top_k", "0 or -1 (off) or an integer >= 1", self.top_k)
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _invalid("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise _invalid("seed", "None or an integer in [-2**63, 2**64)", self.seed)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _invalid("max_tokens", "None or an integer >= 1", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _invalid("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise _invalid(name, "None or an integer >= 0", value)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _invalid("stop", "non-empty strings", s)
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise _invalid("stop_token_ids", "token ids (integers >= 0)", token_id)
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings need detokenize=True, got detokenize=False and stop={self.stop!r}"
+            )
+
+    def verify_max_logprobs(self, max_logprobs: int) -> None:
+        """Check ``logprobs`` and ``prompt_logprobs`` against the server's ``max_logprobs``.
+
+        Raises:
+            ValueError: either asks for more than ``max_logprobs``.
+        """
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise _invalid(name, f"<= max_logprobs ({max_logprobs})", value)
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], model_eos_token_id: int | None = None
+    ) -> None:
+        """Take the model's EOS ids (as vLLM's method of the same name).
+
+        ``model_eos_token_id`` (the tokenizer's EOS) joins ``all_stop_token_ids`` only; the
+        scheduler stops on it unless ``ignore_eos``. Extra ``eos_token_id`` s of the generation
+        config join ``all_stop_token_ids`` and, unless ``ignore_eos``, ``stop_token_ids``.
+
+        Side effects: mutates ``stop_token_ids`` and ``all_stop_token_ids``.
+        """
+        if model_eos_token_id is not None:
+            self._all_stop_token_ids.add(model_eos_token_id)
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None:
+            return
+        extra = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+        extra.discard(model_eos_token_id)  # type: ignore[arg-type]
+        if not extra:
+            return
+        self._all_stop_token_ids.update(extra)
+        if not self.ignore_eos:
+            assert self.stop_token_ids is not None
+            self.stop_token_ids = sorted(extra.union(self.stop_token_ids))
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """``stop_token_ids`` plus every EOS id: the ids ``min_tokens`` keeps from being sampled."""
+        return self._all_stop_token_ids
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (e.g. for the children of an ``n > 1`` request)."""
+        return copy.deepcopy(self)

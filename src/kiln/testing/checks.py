@@ -1,0 +1,173 @@
+"""Conformance checks that must run in a fresh process: ``python -m kiln.testing.checks NAME
+PLATFORM`` prints one JSON object on its last line.
+
+- ``idempotence``: run the lifecycle, snapshot every registry, run every loaded general plugin's
+  ``register()`` again, snapshot again; the snapshots must be equal and nothing may raise.
+- ``ops``: run every op implementation registered for the platform's device type on the op's
+  examples and compare with ``forward_native``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from kiln.config import DeviceConfig, KilnConfig
+
+
+def _init(platform: str) -> None:
+    from kiln.plugins import init_process
+
+    init_process("worker", KilnConfig(device=DeviceConfig(platform=platform)))
+
+
+def _snapshot() -> dict[str, Any]:
+    from kiln.model_executor.custom_op import OP_REGISTRY
+    from kiln.model_executor.loader import LOADER_REGISTRY
+    from kiln.model_executor.registry import MODEL_REGISTRY
+    from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+    from kiln.plugins.manager import get_plugin_manager
+    from kiln.plugins.registry import describe
+
+    return {
+        "models": sorted((n, describe(v)) for n, v in MODEL_REGISTRY.items()),
+        "loaders": sorted((n, describe(v)) for n, v in LOADER_REGISTRY.items()),
+        "ops": sorted((n, describe(v)) for n, v in OP_REGISTRY.ops.items()),
+        "impls": sorted(
+            (i.op, i.provider, i.device_type, i.priority, describe(i.fn))
+            for n in OP_REGISTRY.ops.names()
+            for i in OP_REGISTRY.implementations(n)
+        ),
+        "overrides": len(MODEL_REGISTRY.overrides) + len(OP_REGISTRY.overrides),
+        "plugin_config": sorted(PLUGIN_CONFIG_REGISTRY.sections.names()),
+        "patches": sorted(
+            (p.target, p.status) for p in get_plugin_manager().patches.patches.values()
+        ),
+    }
+
+
+def check_idempotence(platform: str) -> dict[str, Any]:
+    from kiln.plugins.discovery import GENERAL_GROUP, find_entry_points
+    from kiln.plugins.manager import get_plugin_manager
+    from kiln.plugins.registry import registering_as
+
+    _init(platform)
+    manager = get_plugin_manager()
+    before = _snapshot()
+    loaded = {r.name for r in manager.general_records if r.status == "loaded"}
+    errors = []
+    for ep in find_entry_points(GENERAL_GROUP):
+        if ep.name in loaded:
+            try:
+                with registering_as(ep.name):
+                    ep.load()()
+            except Exception:
+                errors.append(f"{ep.name}: {traceback.format_exc()}")
+    # Running the whole lifecycle again must be a no-op too.
+    _init(platform)
+    manager.load_general_plugins()
+    after = _snapshot()
+    return {
+        "plugins": sorted(loaded),
+        "equal": before == after,
+        "before": before,
+        "after": after,
+        "errors": errors,
+    }
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _close(a: Any, b: Any) -> str | None:
+    if isinstance(a, torch.Tensor):
+        try:
+            tol = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-9)}.get(
+                a.dtype, (2e-2, 2e-2)
+            )
+            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=tol[0], atol=tol[1])
+        except AssertionError as exc:
+            return str(exc).splitlines()[0] + " " + " ".join(str(exc).split()[-12:])
+        return None
+    if isinstance(a, (tuple, list)):
+        if len(a) != len(b):
+            return "different number of outputs"
+        for x, y in zip(a, b, strict=True):
+            problem = _close(x, y)
+            if problem:
+                return problem
+    return None
+
+
+def check_ops(platform: str) -> dict[str, Any]:
+    from kiln.model_executor.custom_op import OP_REGISTRY
+    from kiln.platforms import current_platform
+
+    _init(platform)
+    device = current_platform.get_device()
+    results = []
+    for name, op_cls in OP_REGISTRY.ops.items():
+        impls = OP_REGISTRY.implementations(name, current_platform.device_type)
+        if not impls:
+            continue
+        examples = op_cls.make_examples(torch.Generator().manual_seed(0))
+        if not examples:
+            results.append({"op": name, "provider": "*", "status": "no-examples"})
+            continue
+        for impl in impls:
+            checked = 0
+            problem = None
+            for op, args, kwargs in examples:
+                op = op.to(device)
+                args, kwargs = _to(args, device), _to(kwargs, device)
+                if impl.supports is not None and not impl.supports(op, *args, **kwargs):
+                    continue
+                with torch.no_grad():
+                    expected = op.forward_native(*_clone(args), **_clone(kwargs))
+                    got = impl.fn(op, *_clone(args), **_clone(kwargs))
+                problem = _close(got, expected)
+                checked += 1
+                if problem:
+                    break
+            status = "mismatch" if problem else ("ok" if checked else "no-supported-example")
+            results.append(
+                {
+                    "op": name,
+                    "provider": impl.provider,
+                    "status": status,
+                    "checked": checked,
+                    "detail": problem or "",
+                }
+            )
+    return {"device_type": current_platform.device_type, "results": results}
+
+
+def _clone(value: Any) -> Any:
+    # Ops may work in place (fused residual add): give each run its own inputs.
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+CHECKS = {"idempotence": check_idempotence, "ops": check_ops}
+
+if __name__ == "__main__":
+    name, platform = sys.argv[1], sys.argv[2]
+    print(json.dumps(CHECKS[name](platform), default=str))

@@ -1,0 +1,57 @@
+"""Kiln's test plugin: a platform, a general plugin and their misbehaving variants.
+
+Environment variables switch each behaviour on, so the package can stay installed:
+- KILN_TEST_PLATFORM=1          the ``kiln_test`` platform activates
+- KILN_TEST_PLATFORM_B=1        a second out-of-tree platform activates too
+- KILN_TEST_OLD_API=1           a platform written for platform API 0.x activates
+- KILN_TEST_BROKEN_DETECTOR=1   the ``kiln_test_broken`` detector raises
+- KILN_TEST_FAIL_REGISTER=1     the ``kiln_test_failing`` general plugin raises
+- KILN_TEST_PATCH=good|drift|missing|warn   the general plugin declares a patch of that kind
+- KILN_TEST_WRONG_OP=1          the general plugin also registers a wrong op implementation
+- KILN_TEST_BAD_CLASS=missing|signature     the platform names a communicator that does not
+                                            implement the interface
+"""
+
+from __future__ import annotations
+
+import os
+
+REGISTER_CALLS: list[int] = []
+"""One entry per call of ``register`` in this process (tests check idempotence with it)."""
+
+
+def detect_test_platform() -> str | None:
+    return (
+        "kiln_test_plugin.platform.TestPlatform" if os.environ.get("KILN_TEST_PLATFORM") else None
+    )
+
+
+def detect_second_platform() -> str | None:
+    if os.environ.get("KILN_TEST_PLATFORM_B"):
+        return "kiln_test_plugin.platform.SecondPlatform"
+    return None
+
+
+def detect_old_api_platform() -> str | None:
+    return (
+        "kiln_test_plugin.platform.OldApiPlatform" if os.environ.get("KILN_TEST_OLD_API") else None
+    )
+
+
+def detect_broken() -> str | None:
+    if os.environ.get("KILN_TEST_BROKEN_DETECTOR"):
+        raise RuntimeError("probe of the kiln_test_broken device failed")
+    return None
+
+
+def register() -> None:
+    """Register everything through Kiln's public registries (idempotent)."""
+    from kiln_test_plugin import registration
+
+    REGISTER_CALLS.append(os.getpid())
+    registration.register_all(os.environ.get("KILN_TEST_PATCH"))
+
+
+def register_failing() -> None:
+    if os.environ.get("KILN_TEST_FAIL_REGISTER"):
+        raise RuntimeError("kiln_test_failing could not register")

@@ -1,0 +1,39 @@
+"""The test platforms: a CPU device under another name, naming its own classes."""
+
+from __future__ import annotations
+
+import os
+
+from kiln.config import KilnConfig
+from kiln.platforms.cpu import CpuPlatform
+
+
+class TestPlatform(CpuPlatform):
+    name = "kiln_test"
+    supported_dtypes = ("float32",)
+
+    @classmethod
+    def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
+        bad = os.environ.get("KILN_TEST_BAD_CLASS")
+        communicator = {
+            "missing": "kiln_test_plugin.classes.CommunicatorMissingMethod",
+            "signature": "kiln_test_plugin.classes.CommunicatorWrongSignature",
+        }.get(bad or "", "kiln_test_plugin.classes.LoggingCommunicator")
+        config = config.replace(
+            device__worker_cls="kiln_test_plugin.classes.TestWorker",
+            device__model_runner_cls="kiln_test_plugin.classes.TestModelRunner",
+            device__scheduler_cls="kiln_test_plugin.classes.TestScheduler",
+            device__communicator_cls=communicator,
+            device__graph_wrapper_cls="kiln_test_plugin.classes.CountingGraphWrapper",
+            scheduler__max_num_seqs=min(config.scheduler.max_num_seqs, 8),
+        )
+        return super().check_and_update_config(config)
+
+
+class SecondPlatform(CpuPlatform):
+    name = "kiln_test_b"
+
+
+class OldApiPlatform(CpuPlatform):
+    name = "kiln_test_old"
+    api_version = "0.9"

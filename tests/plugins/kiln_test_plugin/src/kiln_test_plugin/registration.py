@@ -1,0 +1,110 @@
+"""What the test plugin registers: an op with two providers, a model, a loader, a config section
+and (on request) a patch. Safe to call more than once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kiln.model_executor.custom_op import OP_REGISTRY, CustomOp
+from kiln.model_executor.loader import LOADER_REGISTRY
+from kiln.model_executor.registry import MODEL_REGISTRY
+from kiln.patches import PATCH_REGISTRY
+from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+
+PATCH_TARGET = "kiln.worker.graph:EagerGraphWrapper.capture"
+# fingerprint(PATCH_TARGET) when this patch was written; a change to the target's source makes
+# Kiln refuse the patch, which is what the drift test relies on.
+PATCH_FINGERPRINT = "f8075cce699ce98d"
+
+CALLS: list[str] = []
+"""Which provider ran each call of the op (tests read it to check dispatch)."""
+
+
+class ScaleOp(CustomOp):
+    """y = x * scale: a tiny op with a reference and two provider implementations."""
+
+    def __init__(self, scale: float = 2.0) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        CALLS.append("native")
+        return x * self.scale
+
+    @classmethod
+    def make_examples(cls, generator: torch.Generator) -> list[tuple[CustomOp, tuple, dict]]:
+        x = torch.randn(4, 8, generator=generator)
+        return [(cls(3.0), (x,), {}), (cls(0.5), (x.double(),), {})]
+
+
+def fast_scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
+    CALLS.append("fast")
+    return torch.mul(x, op.scale)
+
+
+def generic_scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
+    CALLS.append("generic")
+    return x.mul(op.scale)
+
+
+@dataclass(frozen=True)
+class TestPluginOptions:
+    scale: float = 2.0
+    """Factor of the kiln_test_scale op."""
+    mode: Literal["fast", "generic"] = "fast"
+    """Which provider the plugin prefers."""
+    tags: list[str] = field(default_factory=list)
+    """Free-form labels."""
+
+
+def capture_patched(self: Any, num_tokens: Any) -> None:
+    CALLS.append("patched-capture")
+
+
+def register_all(patch_kind: str | None) -> None:
+    OP_REGISTRY.register_op("kiln_test_scale")(ScaleOp)
+    # float32 inputs only: the predicate lets other dtypes fall through to the next provider.
+    OP_REGISTRY.register_impl(
+        "kiln_test_scale",
+        "kiln_test_fast",
+        device_type="cpu",
+        priority=10,
+        supports=_is_float32,
+    )(fast_scale)
+    OP_REGISTRY.register_impl(
+        "kiln_test_scale", "kiln_test_generic", device_type="cpu", priority=1
+    )(generic_scale)
+    if os.environ.get("KILN_TEST_WRONG_OP"):
+        # A provider that computes the wrong thing, for the conformance kit to catch.
+        OP_REGISTRY.register_impl(
+            "kiln_test_scale", "kiln_test_wrong", device_type="cpu", priority=20
+        )(wrong_scale)
+    MODEL_REGISTRY.register(
+        "KilnTestForCausalLM", "kiln.model_executor.models.llama.LlamaForCausalLM"
+    )
+    LOADER_REGISTRY.register(
+        "kiln-test", "kiln.model_executor.loader.safetensors_loader.SafetensorsLoader"
+    )
+    PLUGIN_CONFIG_REGISTRY.declare("kiln_test", TestPluginOptions)
+    if patch_kind:
+        target = PATCH_TARGET if patch_kind != "missing" else PATCH_TARGET + "_gone"
+        PATCH_REGISTRY.register(
+            target,
+            capture_patched,
+            scope="platform",
+            reason="test: record graph captures (no hook for it yet)",
+            fingerprint=PATCH_FINGERPRINT if patch_kind == "good" else "0" * 16,
+            on_mismatch="warn" if patch_kind == "warn" else "refuse",
+        )
+
+
+def wrong_scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
+    return x * (op.scale + 1e-3)
+
+
+def _is_float32(op: ScaleOp, x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32

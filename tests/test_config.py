@@ -1,0 +1,87 @@
+"""Config values are validated with messages naming the field; replace/diff track changes."""
+
+import pytest
+
+from kiln.config import CacheConfig, KilnConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.plugins.config import PluginConfigRegistry
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: ModelConfig(dtype="float8"), "model.dtype='float8' is invalid; allowed: one of"),
+        (lambda: ModelConfig(max_model_len=0), "model.max_model_len=0 is invalid"),
+        (lambda: CacheConfig(block_size=12), "cache.block_size=12 is invalid; allowed: a power"),
+        (lambda: CacheConfig(kv_cache_memory=-1), "cache.kv_cache_memory=-1 is invalid"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "scheduler.max_num_seqs=0 is invalid"),
+        (lambda: ParallelConfig(distributed_executor_backend="mpi"), "'mpi' is invalid"),
+    ],
+)
+def test_invalid_values_name_field_value_and_allowed(make, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        make()
+
+
+def test_every_field_has_a_default_and_a_docstring():
+    import ast
+    import inspect
+
+    import kiln.config as config_module
+
+    tree = ast.parse(inspect.getsource(config_module))
+    for node in tree.body:
+        if (
+            isinstance(node, ast.ClassDef)
+            and node.name.endswith("Config")
+            and node.name != "KilnConfig"
+        ):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    assert stmt.value is not None, f"{node.name}.{stmt.target.id} has no default"
+                    doc = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), (
+                        f"{node.name}.{stmt.target.id} has no docstring"
+                    )
+
+
+def test_replace_validates_and_diff_lists_changes():
+    config = KilnConfig()
+    new = config.replace(scheduler__max_num_seqs=8, device__worker_cls="x.W")
+    assert config.scheduler.max_num_seqs == 64  # frozen: the original is untouched
+    assert config.diff(new) == [
+        ("scheduler.max_num_seqs", 64, 8),
+        ("device.worker_cls", "auto", "x.W"),
+    ]
+    with pytest.raises(ValueError, match=r"scheduler.max_seqs is not a config field"):
+        config.replace(scheduler__max_seqs=1)
+    with pytest.raises(ValueError, match="section__field"):
+        config.replace(max_num_seqs=1)
+    with pytest.raises(ValueError, match="cache.block_size=3 is invalid"):
+        config.replace(cache__block_size=3)
+
+
+def test_plugin_config_schema_must_be_a_dataclass_with_defaults():
+    from dataclasses import dataclass
+
+    registry = PluginConfigRegistry()
+    with pytest.raises(TypeError, match="must be a dataclass"):
+        registry.declare("p", dict)
+
+    @dataclass(frozen=True)
+    class NoDefault:
+        x: int
+
+    with pytest.raises(TypeError, match="p.x needs a default"):
+        registry.declare("p", NoDefault)
+
+    @dataclass(frozen=True)
+    class Opts:
+        x: int = 1
+        y: float | None = None
+
+    registry.declare("p", Opts)
+    assert registry.validate({"p": {"x": 2, "y": 0.5}})["p"] == Opts(2, 0.5)
+    assert registry.validate({})["p"] == Opts()
+    with pytest.raises(ValueError, match=r"p.x=True is invalid; allowed: int"):
+        registry.validate({"p": {"x": True}})
