@@ -12,7 +12,10 @@ fills.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,3 +244,28 @@ _SECTIONS: dict[str, type] = {
     "device": DeviceConfig,
     "plugins": PluginConfig,
 }
+
+
+_current_config: contextvars.ContextVar[KilnConfig | None] = contextvars.ContextVar(
+    "kiln_current_config", default=None
+)
+
+
+@contextlib.contextmanager
+def set_current_config(config: KilnConfig) -> Iterator[KilnConfig]:
+    """Make ``config`` readable with ``get_current_config()`` inside the block.
+
+    The model runner builds the model inside it, so layers (attention picks its backend from
+    ``device.attention_backend``) can read the config without it threading through every model's
+    constructor.
+    """
+    token = _current_config.set(config)
+    try:
+        yield config
+    finally:
+        _current_config.reset(token)
+
+
+def get_current_config() -> KilnConfig | None:
+    """The config set by the enclosing ``set_current_config`` block, or None outside one."""
+    return _current_config.get()

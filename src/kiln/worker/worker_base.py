@@ -66,6 +66,14 @@ class WorkerBase(ABC):
         """Bytes the KV cache may take on this device, after the model is loaded."""
 
     @abstractmethod
+    def get_kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV-cache block takes on this device (all layers, K and V)."""
+
+    @abstractmethod
+    def get_max_model_len(self) -> int:
+        """The context length the loaded model supports (capped by ``model.max_model_len``)."""
+
+    @abstractmethod
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache."""
 

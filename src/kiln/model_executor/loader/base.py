@@ -16,7 +16,7 @@ import torch
 
 
 class ModelLoader(ABC):
-    """Base of every loader, registered by name in ``kiln.model_executor.loader.LOADER_REGISTRY``."""
+    """Base of every loader; registered by name in ``LOADER_REGISTRY``."""
 
     name: ClassVar[str] = ""
 

@@ -108,8 +108,11 @@ class PagedSim:
         if num_padding:
             q, k, v = (torch.cat([t, self.randn(num_padding, *t.shape[1:])]) for t in (q, k, v))
         metadata = self.builder.build(common)
+        # As models pass them: views of one fused qkv projection (strided rows).
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        q_size, kv_size = q[0].numel(), k[0].numel()
         with set_forward_context(ForwardContext(metadata, num_tokens=q.shape[0])):
-            out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1))
+            out = self.layer(*qkv.split([q_size, kv_size, kv_size], dim=1))
         out = out.view(-1, self.num_heads, self.head_size)
 
         outputs, refs = {}, {}

@@ -90,6 +90,18 @@ def test_sliding_window_matches_reference(make_sim) -> None:
     assert_matches(outputs, refs)
 
 
+def test_inside_then_outside_inference_mode(make_sim) -> None:
+    sim = make_sim(seed=8)
+    with torch.inference_mode():
+        sim.kv_cache = sim.layer.kv_cache = sim.kv_cache.clone()  # an inference tensor
+        outputs, refs, _ = sim.step({"a": 20, "b": 5})
+        outputs, refs, _ = sim.step({"a": 1, "b": 1})  # decode: fills the gather workspace
+    assert_matches(outputs, refs)
+    sim.kv_cache = sim.layer.kv_cache = sim.kv_cache.clone()  # a normal tensor again
+    outputs, refs, _ = sim.step({"a": 1, "b": 1})
+    assert_matches(outputs, refs)
+
+
 def test_bfloat16_cache_and_inputs(make_sim) -> None:
     sim = make_sim(block_size=16, dtype=torch.bfloat16, seed=6)
     sim.step({"a": 40, "b": 3})

@@ -45,12 +45,16 @@ def resolve_attn_backend(qualname: str) -> type[AttentionBackend]:
 
 
 def get_attn_backend() -> type[AttentionBackend]:
-    """The attention backend of the current platform.
+    """The attention backend the config names (``device.attention_backend``).
 
-    TODO(#3): return ``resolve_attn_backend(config.attention_backend)`` once the config and
-    ``kiln.platforms.current_platform`` exist (the platform fills ``attention_backend`` in
-    ``check_and_update_config``). Until then this is always the CPU backend.
+    Models are built inside ``kiln.config.set_current_config``; outside it (a test building a
+    layer by hand), the current platform's backend is used.
     """
-    from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
+    from kiln.config import AUTO, get_current_config
 
-    return CPUAttentionBackend
+    config = get_current_config()
+    if config is not None and config.device.attention_backend != AUTO:
+        return resolve_attn_backend(config.device.attention_backend)
+    from kiln.platforms import current_platform
+
+    return resolve_attn_backend(current_platform.get_attn_backend_cls(config))

@@ -46,6 +46,12 @@ class TestWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         return 0
 
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return 0
+
+    def get_max_model_len(self) -> int:
+        return 0
+
     def initialize_cache(self, num_blocks: int) -> None: ...
 
     def compile_or_warm_up_model(self) -> None: ...

@@ -48,7 +48,9 @@ class CPUWorkspace:
         for d in shape:
             numel *= d
         buf = self._buffers.get((name, dtype))
-        if buf is None or buf.numel() < numel:
+        # A buffer made under inference_mode cannot be written outside it (a test, a dummy run).
+        stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+        if buf is None or buf.numel() < numel or stale:
             buf = torch.empty(numel, dtype=dtype)
             self._buffers[(name, dtype)] = buf
         return buf[:numel].view(shape)

@@ -1,0 +1,403 @@
+"""Kiln's scheduler: token budgets over a paged KV cache, as in vLLM v1.
+
+Each ``schedule()`` hands out ``{request_id: num_new_tokens}`` under ``max_num_batched_tokens`` and
+``max_num_seqs``:
+1. Running requests first, in ``(priority, arrival)`` order: a decode gets 1 token, a partially
+   prefilled request the rest of its prompt up to the budget. When its blocks cannot be allocated,
+   the running request that sorts last is preempted by recompute (its blocks freed, status
+   PREEMPTED, back into the waiting queue) until the allocation fits or the request preempts itself.
+   Preemptees are never already scheduled in the step, since they are taken from the end.
+2. Then, unless the step preempted someone, waiting requests in ``(priority, arrival)`` order while
+   the budget, ``max_num_seqs`` and free blocks allow. Prefix-cache hits reduce the tokens to
+   compute. A prompt longer than the remaining budget is split over steps (chunked prefill); with
+   ``enable_chunked_prefill=False`` it waits for a step with room instead, unless it is longer than
+   the whole budget, which it could never get: then it is split anyway.
+
+``update_from_output()`` advances ``num_computed_tokens`` by what was scheduled, appends sampled
+tokens and checks stops in this order: EOS (unless ``ignore_eos``), ``stop_token_ids`` (both only
+once ``min_tokens`` are out), ``max_tokens``, then the context length. Stop *strings* are the front
+end's: it aborts the request through ``finish_requests``.
+
+A request that can never fit (``num_prompt_tokens + 1 > max_model_len``, where ``max_model_len`` is
+capped by the whole cache's capacity) is not queued: it finishes as FINISHED_IGNORED (finish reason
+"length", no tokens) in the next ``update_from_output``. The engine core therefore keeps stepping,
+even with nothing scheduled, while ``has_unfinished_requests()``.
+
+The scheduler knows nothing about tensors, devices or text: token ids and block ids only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Iterable
+from itertools import count
+
+from kiln.config import KilnConfig
+from kiln.core.kv_cache.manager import KVCacheManager
+from kiln.core.request import Request, RequestStatus
+from kiln.core.sched.interface import SchedulerInterface
+from kiln.core.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kiln.core.sched.queue import RequestQueue, SchedulingKey
+from kiln.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsLists,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler(SchedulerInterface):
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    Args:
+        config: reads ``scheduler.*``, ``cache.block_size``, ``cache.enable_prefix_caching`` and
+            ``model.max_model_len`` (None: as long as the cache holds).
+        num_blocks: KV-cache blocks, the reserved null block 0 included.
+    """
+
+    def __init__(self, config: KilnConfig, num_blocks: int) -> None:
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.block_size = config.cache.block_size
+        capacity = (num_blocks - 1) * self.block_size
+        max_model_len = config.model.max_model_len or capacity
+        if max_model_len > capacity:
+            logger.warning(
+                "max_model_len=%d exceeds the KV cache (%d tokens); requests stop at %d tokens",
+                max_model_len,
+                capacity,
+                capacity,
+            )
+        # A request longer than the whole cache would preempt itself forever: cap it.
+        self.max_model_len = min(max_model_len, capacity)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            self.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request (waiting or running) by id."""
+        self.waiting = RequestQueue()
+        self.running: list[Request] = []
+        """Kept sorted by scheduling key, so the last one is the next to preempt."""
+        self.finished_req_ids: set[str] = set()
+        """Finished or preempted since the last ``schedule()``: the runner drops their state."""
+        self._keys: dict[str, SchedulingKey] = {}
+        self._seq = count()
+        self._ignored: dict[str, EngineCoreOutput] = {}
+        # Prompt logprobs received in chunks, sent with the request's first token.
+        self._prompt_logprobs: dict[str, LogprobsLists] = {}
+        self._num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        """Queue a new request, or finish it as ignored when it can never fit (see module doc).
+
+        Raises:
+            ValueError: the request id is already in use, or the prompt is empty.
+        """
+        if isinstance(request, EngineCoreRequest):
+            request = Request.from_engine_core_request(request)
+        request_id = request.request_id
+        if request_id in self.requests or request_id in self._ignored:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if request.num_tokens + 1 > self.max_model_len:
+            logger.warning(
+                "request %s ignored: %d prompt tokens + 1 exceed max_model_len=%d",
+                request_id,
+                request.num_tokens,
+                self.max_model_len,
+            )
+            request.status = RequestStatus.FINISHED_IGNORED
+            self._ignored[request_id] = EngineCoreOutput(
+                request_id, [], finish_reason=FinishReason.LENGTH
+            )
+            return
+        key = (request.priority, request.arrival_time, next(self._seq))
+        self._keys[request_id] = key
+        self.requests[request_id] = request
+        self.waiting.add(request, key)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finish waiting or running requests early (abort, stop string, client gone).
+
+        Idempotent; unknown or already finished ids are ignored. No output is produced for them.
+
+        Side effects: frees their blocks; they join ``finished_req_ids``.
+        """
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        has_running = False
+        for request_id in request_ids:
+            self._ignored.pop(request_id, None)
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                has_running = True
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+        if has_running:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._ignored)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests) + len(self._ignored)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(num_running, num_waiting)``."""
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the number of blocks dropped from the cache."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work (see the module docstring for the policy).
+
+        Side effects: allocates blocks; may preempt running requests; moves admitted requests
+        from waiting to running; clears ``finished_req_ids`` into the output.
+        """
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        cached_reqs = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        num_preempted = 0
+
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert num_new_tokens > 0, request
+            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+                victim = running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            cached_reqs.req_ids.append(request.request_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # A step that preempted is short of blocks: admitting now would only thrash.
+        waiting = self.waiting
+        while (
+            not num_preempted and waiting and token_budget > 0 and len(running) < self.max_num_seqs
+        ):
+            request = waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is not None and num_hit_tokens:
+                # Prompt logprobs need logits at every prompt position: recompute the prefix.
+                hit_blocks, num_hit_tokens = [], 0
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if num_new_tokens > token_budget:
+                if (
+                    not self.enable_chunked_prefill
+                    and num_new_tokens <= self.max_num_batched_tokens
+                ):
+                    break  # Fits a later step whole.
+                num_new_tokens = token_budget
+            block_ids = kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            if block_ids is None:
+                break
+            waiting.pop()
+            request_id = request.request_id
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            keys = self._keys
+            bisect.insort(running, request, key=lambda r: keys[r.request_id])
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            num_scheduled_tokens[request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=finished_req_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply the step's sampled tokens.
+
+        Returns:
+            An ``EngineCoreOutput`` per request that got a token or finished (ignored requests
+            included), and the ``SchedulerStats``.
+
+        Side effects: advances ``num_computed_tokens``; appends tokens; frees finished requests.
+        Requests finished while the step ran (aborted) are skipped.
+        """
+        outputs = list(self._ignored.values())
+        self._ignored.clear()
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        req_id_to_index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
+        num_finished = 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            if prompt_logprobs_dict and request.num_output_tokens == 0:
+                self._add_prompt_logprobs(request_id, prompt_logprobs_dict.get(request_id))
+            index = req_id_to_index.get(request_id)
+            if index is None or request.num_computed_tokens < request.num_tokens:
+                continue  # A partial prefill chunk samples nothing.
+            new_token_ids = sampled_token_ids[index]
+            if not new_token_ids:
+                continue
+            is_first_output = request.num_output_tokens == 0
+            is_stopped = False
+            for i, token_id in enumerate(new_token_ids):
+                request.output_token_ids.append(token_id)
+                if is_stopped := self._check_stop(request):
+                    new_token_ids = new_token_ids[: i + 1]
+                    break
+            new_logprobs = None
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                new_logprobs = LogprobsLists(
+                    [logprobs.logprob_token_ids[index]],
+                    [logprobs.logprobs[index]],
+                    [logprobs.sampled_token_ranks[index]],
+                )
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    new_token_ids,
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs=(
+                        self._prompt_logprobs.pop(request_id, None) if is_first_output else None
+                    ),
+                    finish_reason=request.get_finished_reason() if is_stopped else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if is_stopped:
+                self._free_request(request)
+                num_finished += 1
+        if num_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
+        )
+
+    def make_stats(self) -> SchedulerStats:
+        """Current counts, plus prefix-cache and preemption numbers since the last call."""
+        prefix_stats = self.kv_cache_manager.take_prefix_cache_stats()
+        num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix_stats.num_queries,
+            prefix_cache_hits=prefix_stats.num_hits,
+            num_preemptions=num_preemptions,
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set a finished status (and ``stop_reason``) when the last token ends the request."""
+        params = request.sampling_params
+        num_output_tokens = request.num_output_tokens
+        if num_output_tokens >= params.min_tokens:
+            last_token_id = request.output_token_ids[-1]
+            if last_token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or (
+            request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and queue it again, to recompute from scratch."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self._prompt_logprobs.pop(request.request_id, None)  # Recomputed from the start.
+        self.waiting.add(request, self._keys[request.request_id])
+        self.finished_req_ids.add(request.request_id)
+        logger.warning(
+            "request %s preempted (out of KV-cache blocks; %d preemptions); it will be recomputed",
+            request.request_id,
+            request.num_preemptions,
+        )
+
+    def _free_request(self, request: Request) -> None:
+        request_id = request.request_id
+        self.kv_cache_manager.free(request)
+        del self.requests[request_id]
+        del self._keys[request_id]
+        self._prompt_logprobs.pop(request_id, None)
+        self.finished_req_ids.add(request_id)
+
+    def _add_prompt_logprobs(self, request_id: str, chunk: LogprobsLists | None) -> None:
+        if chunk is None:
+            return
+        done = self._prompt_logprobs.get(request_id)
+        if done is None:
+            self._prompt_logprobs[request_id] = LogprobsLists(
+                list(chunk.logprob_token_ids), list(chunk.logprobs), list(chunk.sampled_token_ranks)
+            )
+        else:
+            done.logprob_token_ids.extend(chunk.logprob_token_ids)
+            done.logprobs.extend(chunk.logprobs)
+            done.sampled_token_ranks.extend(chunk.sampled_token_ranks)

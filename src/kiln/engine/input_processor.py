@@ -1,0 +1,218 @@
+"""The front end's input side: a prompt and its sampling params -> a checked ``EngineCoreRequest``.
+
+Contract: ``InputProcessor.process`` tokenizes a text prompt with the model's BOS policy (a
+token-id prompt is used exactly as given: no BOS is added), checks the request against the model
+and the server (prompt not empty, token ids in the vocabulary, prompt plus ``max_tokens`` within
+``max_model_len``, logprobs within ``max_logprobs``) and returns the request the engine core runs,
+with its own copy of the params completed: ``max_tokens`` filled in when None, the model's EOS ids
+recorded. Every rejection is a ``ValueError`` naming the field. The caller's params are never
+mutated. ``fan_out`` splits an ``n > 1`` request into its ``n`` child requests.
+
+What it must not know: scheduling, the engine core's internals, how outputs are made.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from kiln.engine import EngineCoreRequest
+from kiln.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int] | Mapping[str, Any]
+"""A text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (vLLM's
+``TextPrompt`` / ``TokensPrompt``; with both keys the ids are used and the text is for display)."""
+
+_SEED_RANGE = 2**64
+
+
+def child_request_id(parent_request_id: str, index: int) -> str:
+    """The id of child ``index`` of an ``n > 1`` request (vLLM's ``f"{index}_{parent_id}"``)."""
+    return f"{index}_{parent_request_id}"
+
+
+def make_child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of child ``index``: ``n = 1``, and ``seed + index`` when a seed is set, so that
+    seeded children differ from each other yet are reproducible (as vLLM)."""
+    child = params.clone()
+    child.n = 1
+    if params.seed is not None:
+        seed = params.seed + index
+        child.seed = seed - _SEED_RANGE if seed >= _SEED_RANGE else seed
+    return child
+
+
+def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """The engine-core requests of ``request``: itself when ``n == 1``, else its ``n`` children
+    (ids from ``child_request_id``, params from ``make_child_params``), in index order."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [request]
+    return [
+        msgspec.structs.replace(
+            request,
+            request_id=child_request_id(request.request_id, index),
+            sampling_params=make_child_params(params, index),
+        )
+        for index in range(params.n)
+    ]
+
+
+def prompt_text(prompt: PromptType) -> str | None:
+    """The text of a prompt, for ``RequestOutput.prompt`` (None for a token-id prompt)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class InputProcessor:
+    """Validates requests and turns prompts into token ids.
+
+    Args:
+        tokenizer: a Kiln ``Tokenizer``; None when the engine takes token ids only (then a text
+            prompt is rejected).
+        max_model_len: the context length: prompt plus completion tokens.
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for.
+        eos_token_id: the model's EOS id (the engine core stops on it unless ``ignore_eos``).
+        generation_config: the model's generation config (``eos_token_id`` may list extra ids
+            that end generation); the tokenizer's extra EOS ids are added to it.
+        vocab_size: number of valid token ids; default: the tokenizer's.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        max_logprobs: int,
+        eos_token_id: int | None,
+        generation_config: Mapping[str, Any] | None = None,
+        *,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_id = eos_token_id
+        if vocab_size is None and tokenizer is not None:
+            vocab_size = tokenizer.vocab_size
+        self.vocab_size = vocab_size
+        self.generation_config = self._merge_eos_ids(dict(generation_config or {}), tokenizer)
+
+    @staticmethod
+    def _merge_eos_ids(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+        extra = getattr(tokenizer, "eos_token_ids", None)
+        if not extra:
+            return config
+        eos = config.get("eos_token_id")
+        eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        config["eos_token_id"] = sorted(eos_ids.union(extra))
+        return config
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        """The engine-core request for ``prompt`` (see the module docstring).
+
+        ``arrival_time`` defaults to now (``time.time()``, the clock the output processor uses).
+
+        Raises:
+            ValueError: the prompt is empty, of the wrong type, has token ids outside the
+                vocabulary, or does not fit ``max_model_len`` with ``max_tokens``; the params ask
+                for more logprobs than ``max_logprobs`` or name token ids outside the vocabulary.
+        """
+        prompt_token_ids = self._tokenize(prompt)
+        params = params.clone()
+        self._validate_params(params, len(prompt_token_ids))
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=None if params.ignore_eos else self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+
+    def _tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return self._tokenize(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError(
+                f"prompt must have a 'prompt' or a 'prompt_token_ids' key, got keys {list(prompt)}"
+            )
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids: this engine has no tokenizer")
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise ValueError("prompt must not be empty")
+            return token_ids
+        if not isinstance(prompt, Sequence):
+            kind = type(prompt).__name__
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {kind}")
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        for position, token_id in enumerate(token_ids):
+            if not _is_token_id(token_id) or not self._in_vocab(token_id):
+                raise ValueError(
+                    f"prompt_token_ids must be token ids in [0, {self.vocab_size}), "
+                    f"got {token_id!r} at position {position}"
+                )
+        return token_ids
+
+    def _in_vocab(self, token_id: int) -> bool:
+        return token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
+
+    def _validate_params(self, params: SamplingParams, prompt_len: int) -> None:
+        params.verify_max_logprobs(self.max_logprobs)
+        for token_id in params.stop_token_ids or []:
+            if not self._in_vocab(token_id):
+                raise ValueError(
+                    f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {token_id}"
+                )
+        for token_id in params.logit_bias or {}:
+            if not self._in_vocab(token_id):
+                raise ValueError(
+                    f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {token_id}"
+                )
+        max_tokens = params.max_tokens
+        if max_tokens is None and prompt_len < self.max_model_len:
+            params.max_tokens = self.max_model_len - prompt_len
+            return
+        # A completion has at least one token, so a prompt that fills the context cannot run.
+        num_completion = 1 if max_tokens is None else max_tokens
+        if prompt_len + num_completion > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + num_completion} tokens ({prompt_len} in the "
+                f"messages, {num_completion} in the completion). Please reduce the length of the "
+                "messages (prompt) or completion (max_tokens)."
+            )
+
+
+__all__ = [
+    "InputProcessor",
+    "PromptType",
+    "child_request_id",
+    "fan_out",
+    "make_child_params",
+    "prompt_text",
+]

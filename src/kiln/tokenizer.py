@@ -1,0 +1,307 @@
+"""The model's tokenizer and chat template, behind one small interface.
+
+Contract: ``load_tokenizer(source)`` reads a ``.gguf`` file or a folder with ``tokenizer.json`` /
+``tokenizer_config.json`` through the Hugging Face libraries and returns a ``Tokenizer`` whose
+``encode`` / ``decode`` / ``apply_chat_template`` behave as the model's authors intended:
+
+- BOS is added by ``encode(..., add_special_tokens=True)`` exactly when the model asks for it:
+  GGUF ``tokenizer.ggml.add_bos_token`` (absent: llama.cpp's default, true only for SentencePiece
+  vocabularies), or ``add_bos_token`` in ``tokenizer_config.json``; a folder that does not say
+  keeps what its ``tokenizer.json`` post-processor does.
+- The chat template is the model's own Jinja template (GGUF ``tokenizer.chat_template`` or the
+  folder's), rendered in a sandbox configured as ``transformers`` does.
+
+The engine knows nothing about tokenization; this module knows nothing about the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer plus the model's BOS policy, chat template and stop tokens.
+
+    Args:
+        hf_tokenizer: a ``transformers`` tokenizer (fast).
+        add_bos: True/False to force the model's BOS policy onto ``encode``; None to keep what
+            ``hf_tokenizer`` does.
+        chat_template: the model's Jinja chat template (a string), or named templates (a dict,
+            ``"default"`` used unless ``apply_chat_template`` names another), or None.
+        eos_token_ids: extra ids that end generation besides ``eos_token_id`` (e.g. GGUF
+            ``eot_token_id``).
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        add_bos: bool | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.chat_template = chat_template
+        eos = {int(i) for i in eos_token_ids}
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        # What encode() must change in the HF output: prepend BOS, drop the post-processor's BOS,
+        # or nothing. Found by probing, so it holds whatever the post-processor is.
+        self._bos_fix: str | None = None
+        bos = hf_tokenizer.bos_token_id
+        if add_bos is not None and bos is not None:
+            with_special = hf_tokenizer.encode("a", add_special_tokens=True)
+            without = hf_tokenizer.encode("a", add_special_tokens=False)
+            hf_adds_bos = with_special[:1] == [bos] and with_special[1:] == without
+            if add_bos and not hf_adds_bos:
+                self._bos_fix = "add"
+            elif not add_bos and hf_adds_bos:
+                self._bos_fix = "drop"
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf_tokenizer.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf_tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return len(self.hf_tokenizer)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.hf_tokenizer.all_special_ids)
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether ``encode(text)`` starts with BOS."""
+        bos = self.bos_token_id
+        return bos is not None and self.encode("a")[:1] == [bos]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the model's BOS policy applies."""
+        ids: list[int] = self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if add_special_tokens and self._bos_fix == "add":
+            ids = [self.hf_tokenizer.bos_token_id, *ids]
+        elif add_special_tokens and self._bos_fix == "drop":
+            ids = ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.hf_tokenizer.convert_ids_to_tokens(list(ids))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render ``messages`` with the model's chat template.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dicts; content may be a string, a list of
+                ``{"type": "text", "text": ...}`` parts (joined with newlines), or None (keys set
+                to None are left out, as transformers does).
+            add_generation_prompt: end with the header of an assistant turn.
+            tokenize: return token ids (the template writes its own special tokens, so no BOS is
+                added) instead of the string.
+            chat_template: a template string, or the name of one of the model's named templates,
+                to use instead of the model's default.
+            **kwargs: extra template variables (``tools``, ``documents``, ``enable_thinking``...).
+
+        Raises:
+            ValueError: no template; a content part that is not text; a template that raises.
+        """
+        template = self._resolve_template(chat_template)
+        special = {
+            name: getattr(self.hf_tokenizer, name, None)
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        try:
+            text = _compile(template).render(
+                messages=[_normalise_message(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **{**special, **kwargs},
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _resolve_template(self, chat_template: str | None) -> str:
+        named = self.chat_template if isinstance(self.chat_template, Mapping) else {}
+        if chat_template is not None:
+            return named.get(chat_template, chat_template)
+        if isinstance(self.chat_template, str):
+            return self.chat_template
+        if "default" in named:
+            return named["default"]
+        raise ValueError(
+            "this model has no chat template (none in its GGUF metadata or tokenizer files); "
+            "pass chat_template= or use a completion instead of a chat request"
+        )
+
+
+def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    # Keys set to None are dropped, as transformers does: OpenAI clients send content=None with
+    # tool calls, and templates handle a missing key but would print a literal "None".
+    normalised = {key: value for key, value in message.items() if value is not None}
+    content = normalised.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind != "text":
+                raise ValueError(
+                    f"message content part of type {kind!r} is not supported; allowed: ['text']"
+                )
+            texts.append(part["text"])
+        normalised["content"] = "\n".join(texts)
+    return normalised
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks in HF):
+    rendered as its body, since Kiln only needs the text."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    # Same environment as transformers' chat templates, so templates written for it render the same.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer of a ``.gguf`` file or of a folder with Hugging Face tokenizer files.
+
+    Reads only local files (no hub access).
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+        ValueError: a file that is not GGUF, or a folder without tokenizer files.
+    """
+    if os.path.isdir(source):
+        return _load_folder(source)
+    if os.path.isfile(source):
+        from kiln.model_executor.loader.gguf_loader import GGUFLoader
+
+        if not GGUFLoader.can_load(source):
+            raise ValueError(f"tokenizer source {source!r} is a file but not a GGUF file")
+        return _load_gguf(source)
+    raise FileNotFoundError(f"tokenizer source {source!r} does not exist")
+
+
+def _load_gguf(path: str) -> Tokenizer:
+    # PreTrainedTokenizerFast directly, not AutoTokenizer: both convert the GGUF vocabulary to the
+    # same generic fast tokenizer, but AutoTokenizer first builds the model config from the whole
+    # file (~4 s for SmolLM2 against ~0.6 s).
+    from transformers import PreTrainedTokenizerFast
+
+    from kiln.model_executor.loader.gguf_loader import open_gguf
+
+    path = os.path.abspath(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+    )
+    fields = open_gguf(path).fields
+
+    def meta(key: str) -> Any:
+        return fields[key].contents() if key in fields else None
+
+    add_bos = meta("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        # llama.cpp's default when a file does not say: BOS for SentencePiece ("llama") vocabs.
+        add_bos = meta("tokenizer.ggml.model") == "llama"
+    stop_ids = [meta(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    return Tokenizer(
+        hf,
+        add_bos=bool(add_bos),
+        chat_template=meta("tokenizer.chat_template"),
+        eos_token_ids=[i for i in stop_ids if i is not None],
+    )
+
+
+def _load_folder(folder: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    if not any(
+        os.path.isfile(os.path.join(folder, name))
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        raise ValueError(f"{folder!r} has no tokenizer.json or tokenizer_config.json")
+    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+    add_bos = tokenizer_config.get("add_bos_token")
+    # generation_config.json lists every id that ends a turn (Llama 3: eos and eot).
+    generation_eos = _read_json(os.path.join(folder, "generation_config.json")).get("eos_token_id")
+    if generation_eos is None:
+        generation_eos = []
+    elif isinstance(generation_eos, int):
+        generation_eos = [generation_eos]
+    return Tokenizer(
+        hf,
+        add_bos=add_bos if isinstance(add_bos, bool) else None,
+        chat_template=hf.chat_template,
+        eos_token_ids=generation_eos,
+    )
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+__all__ = ["Tokenizer", "load_tokenizer"]

@@ -1,0 +1,156 @@
+"""The input processor: tokenization with the model's BOS policy, validation, EOS, fan-out."""
+
+import time
+
+import pytest
+
+from kiln.engine.input_processor import (
+    InputProcessor,
+    child_request_id,
+    fan_out,
+    make_child_params,
+    prompt_text,
+)
+from kiln.model_executor.loader.default_model import default_model_path
+from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer, load_tokenizer
+
+MAX_MODEL_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture
+def processor(tokenizer):
+    return InputProcessor(tokenizer, MAX_MODEL_LEN, max_logprobs=5, eos_token_id=2)
+
+
+def test_text_prompt_uses_the_models_bos_policy(tokenizer):
+    bos_tokenizer = Tokenizer(tokenizer.hf_tokenizer, add_bos=True)
+    bos = bos_tokenizer.bos_token_id
+    for tok, expected in ((tokenizer, []), (bos_tokenizer, [bos])):
+        processor = InputProcessor(tok, MAX_MODEL_LEN, 5, 2)
+        ids = tokenizer.encode("Hello world", add_special_tokens=False)
+        assert processor.process("r", "Hello world", SamplingParams()).prompt_token_ids == [
+            *expected,
+            *ids,
+        ]
+        assert (
+            processor.process("r", {"prompt": "Hello world"}, SamplingParams()).prompt_token_ids[
+                len(expected) :
+            ]
+            == ids
+        )
+
+
+def test_token_id_prompts_are_used_exactly(tokenizer):
+    processor = InputProcessor(Tokenizer(tokenizer.hf_tokenizer, add_bos=True), 32, 5, 2)
+    ids = [19556, 905, 2]
+    assert processor.process("r", ids, SamplingParams()).prompt_token_ids == ids
+    both = {"prompt_token_ids": ids, "prompt": "ignored for tokenization"}
+    assert processor.process("r", both, SamplingParams()).prompt_token_ids == ids
+    assert prompt_text(both) == "ignored for tokenization"
+    assert prompt_text(ids) is None and prompt_text("x") == "x"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [
+        ("", "prompt must not be empty"),
+        ([], "prompt_token_ids must not be empty"),
+        ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
+        (
+            [5, 49152],
+            r"prompt_token_ids must be token ids in \[0, 49152\), got 49152 at position 1",
+        ),
+        ([-1], "prompt_token_ids"),
+        ([1.5], "prompt_token_ids"),
+        ({"text": "hi"}, "'prompt' or a 'prompt_token_ids' key"),
+        (42, "prompt must be a string"),
+    ],
+)
+def test_bad_prompts_are_rejected(processor, prompt, field):
+    with pytest.raises(ValueError, match=field):
+        processor.process("r", prompt, SamplingParams())
+
+
+def test_context_length_errors_use_openai_wording(processor):
+    prompt = list(range(10, 30))  # 20 tokens
+    with pytest.raises(ValueError) as error:
+        processor.process("r", prompt, SamplingParams(max_tokens=13))
+    assert str(error.value).startswith(
+        "This model's maximum context length is 32 tokens. However, you requested 33 tokens "
+        "(20 in the messages, 13 in the completion)."
+    )
+    assert "max_tokens" in str(error.value)
+    request = processor.process("r", prompt, SamplingParams(max_tokens=12))
+    assert request.sampling_params.max_tokens == 12
+    # A prompt longer than the context, and one that leaves no room for a token.
+    with pytest.raises(ValueError, match="you requested 41 tokens \\(40 in the messages"):
+        processor.process("r", list(range(10, 50)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="33 tokens \\(32 in the messages, 1 in the completion"):
+        processor.process("r", list(range(10, 42)), SamplingParams(max_tokens=None))
+
+
+def test_max_tokens_none_fills_the_context_without_mutating_the_callers_params(processor):
+    params = SamplingParams(max_tokens=None)
+    request = processor.process("r", list(range(10, 30)), params)
+    assert request.sampling_params.max_tokens == 12
+    assert params.max_tokens is None
+    assert request.sampling_params is not params
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_too_many_logprobs(processor, field):
+    assert processor.process("r", [5], SamplingParams(**{field: 5})).sampling_params
+    with pytest.raises(ValueError, match=f"^{field} must be <= max_logprobs \\(5\\), got 6"):
+        processor.process("r", [5], SamplingParams(**{field: 6}))
+
+
+def test_token_ids_in_params_are_checked(processor):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        processor.process("r", [5], SamplingParams(stop_token_ids=[60000]))
+    with pytest.raises(ValueError, match="logit_bias"):
+        processor.process("r", [5], SamplingParams(logit_bias={60000: 1.0}))
+
+
+def test_eos_and_generation_config(tokenizer, processor):
+    request = processor.process("r", [5], SamplingParams(), arrival_time=12.5, priority=3)
+    assert request.eos_token_id == 2
+    assert 2 in request.sampling_params.all_stop_token_ids
+    assert (request.arrival_time, request.priority, request.request_id) == (12.5, 3, "r")
+    assert processor.process("r", [5], SamplingParams(ignore_eos=True)).eos_token_id is None
+    before = time.time()
+    assert before <= processor.process("r", [5], SamplingParams()).arrival_time <= time.time()
+    # Extra EOS ids of a generation config stop generation unless ignore_eos.
+    processor = InputProcessor(tokenizer, 32, 5, 2, generation_config={"eos_token_id": [2, 7]})
+    params = processor.process("r", [5], SamplingParams(stop_token_ids=[9])).sampling_params
+    assert params.stop_token_ids == [7, 9]
+    assert params.all_stop_token_ids == {2, 7, 9}
+    params = processor.process("r", [5], SamplingParams(ignore_eos=True)).sampling_params
+    assert params.stop_token_ids == [] and params.all_stop_token_ids == {2, 7}
+
+
+def test_text_prompt_without_tokenizer_is_rejected():
+    processor = InputProcessor(None, 32, 5, None, vocab_size=100)
+    assert processor.process("r", [99], SamplingParams()).prompt_token_ids == [99]
+    with pytest.raises(ValueError, match="prompt must be token ids"):
+        processor.process("r", "text", SamplingParams())
+
+
+def test_fan_out(processor):
+    request = processor.process("req", [5, 6], SamplingParams(n=3, seed=41))
+    children = fan_out(request)
+    assert [c.request_id for c in children] == [child_request_id("req", i) for i in range(3)]
+    assert [c.request_id for c in children] == ["0_req", "1_req", "2_req"]
+    assert [c.sampling_params.seed for c in children] == [41, 42, 43]
+    assert all(c.sampling_params.n == 1 and c.prompt_token_ids == [5, 6] for c in children)
+    assert request.sampling_params.n == 3 and request.sampling_params.seed == 41
+    unseeded = processor.process("u", [5], SamplingParams(n=2))
+    assert [c.sampling_params.seed for c in fan_out(unseeded)] == [None, None]
+    single = processor.process("s", [5], SamplingParams())
+    assert fan_out(single) == [single]
+    assert make_child_params(SamplingParams(seed=2**64 - 1), 1).seed == 0

@@ -1,0 +1,328 @@
+"""GGUFLoader: config mapping, HF names and shapes, Q/K un-permutation, against transformers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter, quants
+from gguf.constants import GGMLQuantizationType as T
+
+from kiln.model_executor.loader import get_loader
+from kiln.model_executor.loader.gguf_loader import GGUFLoader, hf_tensor_name, open_gguf
+
+HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 32, 4, 2, 48, 10
+HEAD_DIM = HIDDEN // HEADS
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows (written from its formula)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def hf_weights(arch: str, tied: bool) -> dict[str, np.ndarray]:
+    """A one-layer model's weights in Hugging Face layout (torch order), random."""
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.normal(size=shape).astype(np.float32)
+
+    weights = {
+        "model.embed_tokens.weight": rand(VOCAB, HIDDEN),
+        "model.norm.weight": rand(HIDDEN),
+        "model.layers.0.input_layernorm.weight": rand(HIDDEN),
+        "model.layers.0.post_attention_layernorm.weight": rand(HIDDEN),
+        "model.layers.0.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+        "model.layers.0.self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+        "model.layers.0.self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+        "model.layers.0.self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+        "model.layers.0.mlp.gate_proj.weight": rand(FFN, HIDDEN),
+        "model.layers.0.mlp.up_proj.weight": rand(FFN, HIDDEN),
+        "model.layers.0.mlp.down_proj.weight": rand(HIDDEN, FFN),
+    }
+    if not tied:
+        weights["lm_head.weight"] = rand(VOCAB, HIDDEN)
+    if arch == "qwen2":
+        weights["model.layers.0.self_attn.q_proj.bias"] = rand(HEADS * HEAD_DIM)
+        weights["model.layers.0.self_attn.k_proj.bias"] = rand(KV_HEADS * HEAD_DIM)
+        weights["model.layers.0.self_attn.v_proj.bias"] = rand(KV_HEADS * HEAD_DIM)
+    if arch == "qwen3":
+        weights["model.layers.0.self_attn.q_norm.weight"] = rand(HEAD_DIM)
+        weights["model.layers.0.self_attn.k_norm.weight"] = rand(HEAD_DIM)
+    return weights
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "model.layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "model.layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "model.layers.0.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "model.layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "model.layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "model.layers.0.self_attn.q_proj.bias": "blk.0.attn_q.bias",
+    "model.layers.0.self_attn.k_proj.bias": "blk.0.attn_k.bias",
+    "model.layers.0.self_attn.v_proj.bias": "blk.0.attn_v.bias",
+    "model.layers.0.self_attn.q_norm.weight": "blk.0.attn_q_norm.weight",
+    "model.layers.0.self_attn.k_norm.weight": "blk.0.attn_k_norm.weight",
+}
+
+
+def write_gguf(
+    path: str,
+    arch: str,
+    weights: dict[str, np.ndarray],
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    key_length: int | None = None,
+    rope_theta: float = 10000.0,
+) -> None:
+    """Convert HF-layout weights as llama.cpp would: GGUF names, Q/K permuted for llama, the
+    embedding Q8_0-quantized."""
+    writer = GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.block_count", 1)
+    writer.add_uint32(f"{arch}.context_length", 2048)
+    writer.add_uint32(f"{arch}.embedding_length", HIDDEN)
+    writer.add_uint32(f"{arch}.feed_forward_length", FFN)
+    writer.add_uint32(f"{arch}.attention.head_count", HEADS)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(f"{arch}.rope.freq_base", rope_theta)
+    if key_length is not None:
+        writer.add_uint32(f"{arch}.attention.key_length", key_length)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 7)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 8)
+    for hf_name, value in weights.items():
+        name = GGUF_NAMES[hf_name]
+        if arch == "llama" and name.startswith(("blk.0.attn_q.", "blk.0.attn_k.")):
+            value = llama_cpp_permute(value, HEADS if ".attn_q." in name else KV_HEADS)
+        if name == "token_embd.weight":
+            writer.add_tensor(name, quants.quantize(value, T.Q8_0), raw_dtype=T.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(value))
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_synthetic_file_loads_as_the_hf_checkpoint(tmp_path, arch: str) -> None:
+    weights = hf_weights(arch, tied=(arch != "qwen3"))
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(path, arch, weights)
+
+    loader = GGUFLoader()
+    loaded = dict(loader.iter_weights(path, torch.float32))
+    assert set(loaded) == set(weights)
+    for name, expected in weights.items():
+        if name == "model.embed_tokens.weight":  # Q8_0: equal up to the quantization step
+            torch.testing.assert_close(loaded[name], torch.from_numpy(expected), atol=0.03, rtol=0)
+        else:
+            assert torch.equal(loaded[name], torch.from_numpy(expected)), name
+
+    config = loader.load_hf_config(path)
+    expected_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    assert config["architectures"] == [expected_arch.get(arch, "Qwen3ForCausalLM")]
+    assert config["tie_word_embeddings"] is (arch != "qwen3")
+    assert config["attention_bias"] is (arch == "qwen2")
+    assert (config["hidden_size"], config["intermediate_size"]) == (HIDDEN, FFN)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (HEADS, KV_HEADS)
+    assert (config["vocab_size"], config["head_dim"]) == (VOCAB, HEAD_DIM)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (7, 8)
+    assert config["rms_norm_eps"] == 1e-6 and config["max_position_embeddings"] == 2048
+
+
+def test_head_dim_comes_from_key_length(tmp_path) -> None:
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "qwen3", hf_weights("qwen3", tied=False), key_length=16)
+    assert GGUFLoader().load_hf_config(path)["head_dim"] == 16
+
+
+def test_weights_are_cast_to_requested_dtype(tmp_path) -> None:
+    path = str(tmp_path / "m.gguf")
+    weights = hf_weights("llama", tied=True)
+    write_gguf(path, "llama", weights)
+    loaded = dict(GGUFLoader().iter_weights(path, torch.bfloat16))
+    assert {t.dtype for t in loaded.values()} == {torch.bfloat16}
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(loaded[name], torch.from_numpy(weights[name]).to(torch.bfloat16))
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta, head_dim = 500000.0, 128
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=params)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    divisors = (plain / inv_freq).numpy().astype(np.float32)  # what llama.cpp stores
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(
+        path,
+        "llama",
+        hf_weights("llama", tied=True),
+        extra_tensors={"rope_freqs.weight": divisors},
+        key_length=head_dim,
+        rope_theta=theta,
+    )
+    loader = GGUFLoader()
+    scaling = loader.load_hf_config(path)["rope_scaling"]
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert "rope_freqs.weight" not in dict(loader.iter_weights(path, torch.float32))
+
+    # Divisors no Llama 3 parameters produce are refused, not silently mis-roped.
+    bad = str(tmp_path / "bad.gguf")
+    write_gguf(
+        bad,
+        "llama",
+        hf_weights("llama", tied=True),
+        extra_tensors={"rope_freqs.weight": divisors[::-1].copy()},
+        key_length=head_dim,
+    )
+    with pytest.raises(ValueError, match="rope_freqs"):
+        GGUFLoader().load_hf_config(bad)
+
+
+def test_unsupported_architecture_is_named(tmp_path) -> None:
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "gemma", hf_weights("llama", tied=True))
+    with pytest.raises(ValueError, match="'gemma'.*llama"):
+        GGUFLoader().load_hf_config(path)
+
+
+def test_can_load_and_get_loader(tmp_path) -> None:
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "llama", hf_weights("llama", tied=True))
+    renamed = tmp_path / "model.bin"
+    renamed.write_bytes((tmp_path / "m.gguf").read_bytes())
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"PK\x03\x04 not gguf")
+
+    assert GGUFLoader.can_load(path) and GGUFLoader.can_load(str(renamed))
+    assert not GGUFLoader.can_load(str(other))
+    assert not GGUFLoader.can_load(str(tmp_path))
+    assert not GGUFLoader.can_load(str(tmp_path / "missing.gguf"))
+    assert isinstance(get_loader(path), GGUFLoader)
+    assert GGUFLoader().tokenizer_source(path) == path
+
+
+def test_hf_tensor_names() -> None:
+    assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_norm.weight") == (
+        "model.layers.0.post_attention_layernorm.weight"
+    )
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_tensor_name("rope_freqs.weight") is None
+
+
+@pytest.mark.slow
+def test_default_model_config(default_gguf: str) -> None:
+    config = GGUFLoader().load_hf_config(default_gguf)
+    assert config == {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 8192,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "hidden_act": "silu",
+    }
+
+
+@pytest.mark.slow
+def test_default_model_shapes(kiln_gguf_weights: dict[str, torch.Tensor]) -> None:
+    w = kiln_gguf_weights
+    assert len(w) == 2 + 30 * 9  # embedding, final norm, 9 tensors per layer; lm_head is tied
+    assert "lm_head.weight" not in w
+    assert w["model.embed_tokens.weight"].shape == (49152, 576)
+    assert w["model.layers.29.self_attn.q_proj.weight"].shape == (576, 576)
+    assert w["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
+    assert w["model.layers.0.mlp.gate_proj.weight"].shape == (1536, 576)
+    assert w["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+    assert w["model.norm.weight"].shape == (576,)
+
+
+@pytest.mark.slow
+def test_default_model_weights_equal_transformers(
+    default_gguf: str,
+    kiln_gguf_weights: dict[str, torch.Tensor],
+    hf_gguf_weights: dict[str, torch.Tensor],
+) -> None:
+    assert len(hf_gguf_weights) == 2 + 2 * 9  # embedding, norm, layers 0-1
+    assert "model.layers.1.self_attn.k_proj.weight" in hf_gguf_weights
+    for name, expected in hf_gguf_weights.items():
+        assert torch.equal(kiln_gguf_weights[name], expected), name
+
+    # The un-permutation is what makes q/k equal: the file's raw rows are in another order.
+    reader = open_gguf(default_gguf)
+    raw_q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    from kiln.model_executor.loader.dequant import dequantize
+
+    raw = torch.from_numpy(dequantize(raw_q.data, raw_q.tensor_type))
+    assert not torch.equal(raw, hf_gguf_weights["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_reader_is_cached_per_loader(tmp_path) -> None:
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "llama", hf_weights("llama", tied=True))
+    loader = GGUFLoader()
+    assert loader.reader(path) is loader.reader(os.path.join(str(tmp_path), ".", "m.gguf"))
+    with pytest.raises(FileNotFoundError):
+        loader.reader(str(tmp_path / "missing.gguf"))
+
+
+def test_fast_reader_parses_like_gguf_reader(tmp_path) -> None:
+    from gguf import GGUFReader
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "qwen2", hf_weights("qwen2", tied=False))
+    plain, fast = GGUFReader(path), open_gguf(path)
+    assert list(fast.fields) == list(plain.fields)
+    for key, field in plain.fields.items():
+        assert fast.fields[key].contents() == field.contents(), key
+    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+    for ours, theirs in zip(fast.tensors, plain.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type
+        np.testing.assert_array_equal(ours.data, theirs.data)

@@ -1,0 +1,248 @@
+"""kiln.tokenizer: the default model's tokenizer against transformers', BOS policy, templates."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.model_executor.loader.default_model import default_model_path
+from kiln.tokenizer import Tokenizer, load_tokenizer
+
+TEXTS = [
+    "Hello world!",
+    "  leading spaces, trailing\n\n",
+    "café, naïve, 日本語, emoji 🔥 and Ω",
+    "def f(x):\n    return x ** 2  # code\n",
+    "numbers 1234567 and 3.14159",
+]
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Tokenizer:
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def hf_smollm() -> Any:
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+@pytest.mark.slow
+def test_encode_decode_match_transformers(smollm: Tokenizer, hf_smollm: Any) -> None:
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        ids = smollm.encode(text)
+        assert ids == hf_smollm.encode(text), text
+        assert smollm.decode(ids, skip_special_tokens=False) == text
+    for text in TEXTS:
+        assert smollm.decode(smollm.encode(text)) == text
+    assert smollm.encode("Hello world!") == [19556, 905, 17]
+    ids = smollm.encode("<|im_start|>hi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert smollm.decode(ids) == "hi"  # special tokens skipped by default
+    assert smollm.convert_ids_to_tokens([19556, 905]) == ["Hello", "Ġworld"]
+
+
+@pytest.mark.slow
+def test_default_model_special_tokens(smollm: Tokenizer) -> None:
+    assert (smollm.bos_token_id, smollm.eos_token_id) == (1, 2)
+    assert smollm.eos_token_ids == {2}
+    assert smollm.vocab_size == 49152
+    assert {0, 1, 2} <= set(smollm.all_special_ids)
+    # SmolLM2's GGUF says add_bos_token = false: its chat template writes <|im_start|> itself.
+    assert not smollm.adds_bos
+    assert smollm.encode("hi")[0] != smollm.bos_token_id
+
+
+@pytest.mark.slow
+def test_chat_template_renders_im_start_format(smollm: Tokenizer, hf_smollm: Any) -> None:
+    prompt = smollm.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt == (
+        f"<|im_start|>system\n{SMOLLM_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    for add_generation_prompt in (True, False):
+        expected = hf_smollm.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        got = smollm.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        assert got == expected
+    assert not smollm.apply_chat_template(conversation, add_generation_prompt=False).endswith(
+        "assistant\n"
+    )
+    ids = smollm.apply_chat_template(conversation, tokenize=True)
+    assert ids == smollm.encode(smollm.apply_chat_template(conversation), add_special_tokens=False)
+    assert ids[0] == 1  # <|im_start|>
+
+
+@pytest.mark.slow
+def test_text_parts_are_joined(smollm: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    prompt = smollm.apply_chat_template([{"role": "user", "content": parts}])
+    assert "<|im_start|>user\nfirst\nsecond<|im_end|>" in prompt
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(ValueError, match="'image_url'"):
+        smollm.apply_chat_template([{"role": "user", "content": image}])
+
+
+def _write_tokenizer_gguf(path: Path, **overrides: Any) -> None:
+    """A GGUF holding the default model's tokenizer metadata with some keys changed."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    from kiln.model_executor.loader.gguf_loader import open_gguf
+
+    fields = open_gguf(default_model_path()).fields
+    writer = GGUFWriter(str(path), "llama")
+    for key, field in fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = overrides.pop(key, field.contents())
+        if field.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, field.types[0])
+    for key, (value, vtype) in overrides.items():
+        writer.add_key_value(key, value, vtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_gguf_bos_policy_and_stop_tokens(tmp_path: Path) -> None:
+    from gguf import GGUFValueType
+
+    path = tmp_path / "bos.gguf"
+    _write_tokenizer_gguf(
+        path,
+        **{
+            "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.eot_token_id": (0, GGUFValueType.UINT32),
+        },
+    )
+    tokenizer = load_tokenizer(str(path))
+    assert tokenizer.encode("Hello world!") == [1, 19556, 905, 17]
+    assert tokenizer.encode("Hello world!", add_special_tokens=False) == [19556, 905, 17]
+    assert tokenizer.adds_bos
+    assert tokenizer.eos_token_ids == {0, 2}
+
+
+def _write_tokenizer_folder(
+    folder: Path,
+    *,
+    post_processor_bos: bool,
+    add_bos_token: bool | None,
+    chat_template: str | None = None,
+    generation_eos: list[int] | None = None,
+) -> str:
+    """A word-level tokenizer: <s>=0, </s>=1, [UNK]=2, hello=3, world=4."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers, processors
+
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if post_processor_bos:
+        raw.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 0)]
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    raw.save(str(folder / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "[UNK]",
+    }
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_eos is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("post_processor_bos", "add_bos_token", "expect_bos"),
+    [(True, None, True), (True, False, False), (False, True, True), (False, None, False)],
+)
+def test_folder_bos_policy(
+    tmp_path: Path, post_processor_bos: bool, add_bos_token: bool | None, expect_bos: bool
+) -> None:
+    folder = _write_tokenizer_folder(
+        tmp_path, post_processor_bos=post_processor_bos, add_bos_token=add_bos_token
+    )
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer.encode("hello world") == ([0] if expect_bos else []) + [3, 4]
+    assert tokenizer.encode("hello world", add_special_tokens=False) == [3, 4]
+    assert tokenizer.adds_bos is expect_bos
+    assert tokenizer.decode([0, 3, 4, 1]) == "hello world"
+
+
+def test_folder_stop_tokens_and_template_helpers(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}"
+        "{% endif %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{% generation %}[{{ m.role }}]{{ m.content }}{% endgeneration %}\n"
+        "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
+        "{% if add_generation_prompt %}{{ bos_token }}{% endif %}"
+    )
+    folder = _write_tokenizer_folder(
+        tmp_path,
+        post_processor_bos=False,
+        add_bos_token=None,
+        chat_template=template,
+        generation_eos=[1, 4],
+    )
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer.eos_token_ids == {1, 4}
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "skip", "content": "x"},
+        {"role": "assistant", "content": None},
+    ]
+    tools = [{"name": "<b>é"}]
+    rendered = tokenizer.apply_chat_template(messages, tools=tools)
+    # trim_blocks drops the newline after a block tag; content=None is left out (not "None");
+    # tojson keeps "<" and "é" unescaped.
+    assert rendered == '[user]hello[assistant][{"name": "<b>é"}]<s>'
+    assert rendered == tokenizer.hf_tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False) == (
+        "[user]hello"
+    )
+    with pytest.raises(ValueError, match="no bad roles"):
+        tokenizer.apply_chat_template([{"role": "bad", "content": ""}])
+    assert tokenizer.apply_chat_template([], chat_template="{{ 'override' }}") == "override"
+
+
+def test_no_template_and_bad_sources(tmp_path: Path) -> None:
+    folder = _write_tokenizer_folder(tmp_path / "t", post_processor_bos=False, add_bos_token=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(folder).apply_chat_template([{"role": "user", "content": "hello"}])
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(str(tmp_path / "missing"))
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="not a GGUF"):
+        load_tokenizer(str(not_gguf))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_tokenizer(str(tmp_path / "empty"))
