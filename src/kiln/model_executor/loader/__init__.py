@@ -45,4 +45,13 @@ def get_loader(model: str, load_format: str = "auto") -> ModelLoader:
     )
 
 
-__all__ = ["LOADER_REGISTRY", "ModelLoader", "get_loader"]
+__all__ = ["LOADER_REGISTRY", "ModelLoader", "get_loader", "resolve_model_ref"]
+
+
+def resolve_model_ref(model: str | None) -> str:
+    """``model``, or the embedded default model's path when it is None."""
+    if model:
+        return model
+    from kiln.model_executor.loader.default_model import default_model_path
+
+    return default_model_path()

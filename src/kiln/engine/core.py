@@ -1,0 +1,91 @@
+"""The engine core: a scheduler, an executor, and a loop of three calls.
+
+``step()`` is schedule -> execute -> update: features live inside the scheduler and the model
+runner, never as branches here. The engine core is token ids in, token ids out; it knows nothing
+about text. ``EngineCore`` runs in-process (offline ``LLM``) or inside ``EngineCoreProc`` (a
+separate process that ``kiln serve`` talks to over ZMQ).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kiln.config import KilnConfig
+from kiln.core.request import Request, RequestStatus
+from kiln.engine import EngineCoreOutputs, EngineCoreRequest
+from kiln.executor import Executor
+from kiln.plugins.interfaces import resolve_class
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Builds the executor (workers, model, KV cache) and the scheduler, then steps them.
+
+    Args:
+        config: the platform-updated config (``init_process`` has run in this process).
+    """
+
+    def __init__(self, config: KilnConfig) -> None:
+        start = time.perf_counter()
+        self.executor = Executor.get_class(config)(config)
+        self.executor.initialize()
+        max_model_len = self.executor.get_max_model_len()
+        config = config.replace(model__max_model_len=max_model_len)
+        bytes_per_block = self.executor.get_kv_cache_bytes_per_block()
+        available = min(self.executor.determine_available_memory())
+        num_blocks = available // bytes_per_block
+        min_blocks = -(-max_model_len // config.cache.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"cache.kv_cache_memory leaves room for no KV-cache block ({available} bytes, "
+                f"{bytes_per_block} bytes per block); give the KV cache more memory"
+            )
+        self.num_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        self.config = config
+        scheduler_cls = resolve_class("scheduler_cls", config.device.scheduler_cls)
+        self.scheduler = scheduler_cls(config, num_blocks)
+        num_tokens = num_blocks * config.cache.block_size
+        logger.info(
+            "KV cache: %d tokens, maximum concurrency at max_model_len: %.2fx",
+            num_tokens,
+            num_tokens / max_model_len,
+        )
+        if num_blocks < min_blocks:
+            logger.warning(
+                "the KV cache (%d tokens) cannot hold one request of max_model_len=%d tokens",
+                num_tokens,
+                max_model_len,
+            )
+        logger.info("engine core ready in %.1f s", time.perf_counter() - start)
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.model.max_model_len is not None
+        return self.config.model.max_model_len
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.config.cache.block_size
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one step; returns the outputs of the requests that advanced or finished."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

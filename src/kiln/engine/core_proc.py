@@ -1,0 +1,117 @@
+"""The engine core in its own process, reached over two ZMQ sockets.
+
+The front end binds a PUSH socket (requests in) and a PULL socket (outputs out); this process
+connects to both. Inputs are two-frame messages ``[kind, msgpack payload]``: ``add`` (an
+``EngineCoreRequest``), ``abort`` (a list of request ids) or ``shutdown``. Outputs are
+``[kind, payload]`` too: first ``ready`` (a ``ReadyMessage``) or ``error`` (a ``StartupError``),
+then ``outputs`` (``EngineCoreOutputs``). When a step raises, the error
+goes out in ``EngineCoreOutputs.error`` and the process exits: the front end then fails every
+waiting caller with ``EngineDeadError``.
+
+The loop blocks on the input socket while idle (no busy polling) and drains it between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from kiln.config import KilnConfig
+from kiln.engine import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
+READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
+
+
+class ReadyMessage(msgspec.Struct):
+    kv_cache_tokens: int
+    max_model_len: int
+    num_blocks: int
+    platform: str
+    pid: int
+
+
+class StartupError(msgspec.Struct):
+    error: str
+
+
+encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_abort_decoder = msgspec.msgpack.Decoder(list[str])
+
+
+def run_engine_core(
+    config: KilnConfig, input_addr: str, output_addr: str, log_level: int = logging.INFO
+) -> None:
+    """Entry point of the engine-core process (started with the ``spawn`` method)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    # SIGTERM/SIGINT go to the API server, which shuts this process down over the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    try:
+        from kiln.engine.core import EngineCore
+        from kiln.platforms import current_platform
+        from kiln.plugins import init_process
+
+        config = init_process("engine", config)
+        engine = EngineCore(config)
+        ready = ReadyMessage(
+            engine.kv_cache_tokens,
+            engine.max_model_len,
+            engine.num_blocks,
+            current_platform.name,
+            os.getpid(),
+        )
+        outputs.send_multipart([READY, encoder.encode(ready)])
+    except Exception:
+        outputs.send_multipart([ERROR, encoder.encode(StartupError(traceback.format_exc()))])
+        outputs.close(linger=2000)
+        ctx.term()
+        raise SystemExit(1) from None
+    try:
+        _loop(engine, inputs, outputs)
+    finally:
+        engine.shutdown()
+        inputs.close(linger=0)
+        outputs.close(linger=2000)
+        ctx.term()
+
+
+def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        # Block while idle; otherwise only take what is already queued.
+        timeout = 0 if engine.has_unfinished_requests() else None
+        while poller.poll(timeout):
+            kind, payload = inputs.recv_multipart()
+            if kind == ADD:
+                engine.add_request(_request_decoder.decode(payload))
+            elif kind == ABORT:
+                engine.abort_requests(_abort_decoder.decode(payload))
+            elif kind == SHUTDOWN:
+                return
+            timeout = 0
+        try:
+            step_outputs = engine.step()
+        except Exception:
+            error = traceback.format_exc()
+            logger.error("engine core step failed:\n%s", error)
+            failed = EngineCoreOutputs(error=error, timestamp=time.monotonic())
+            outputs.send_multipart([OUTPUTS, encoder.encode(failed)])
+            raise
+        if step_outputs.outputs or step_outputs.scheduler_stats is not None:
+            outputs.send_multipart([OUTPUTS, encoder.encode(step_outputs)])

@@ -1,0 +1,107 @@
+"""What every front door (offline ``LLM``, ``AsyncLLM``) does around the engine core: load the
+tokenizer, render chat, validate and tokenize prompts, fan ``n > 1`` out into child requests, and
+turn engine-core outputs back into ``RequestOutput``s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kiln.config import KilnConfig
+from kiln.engine import EngineCoreRequest
+from kiln.engine.input_processor import InputProcessor, PromptType, fan_out, prompt_text
+from kiln.engine.output_processor import OutputProcessor, ParentRequest
+from kiln.model_executor.loader import get_loader, resolve_model_ref
+from kiln.model_executor.loader.default_model import DEFAULT_MODEL_NAME
+from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer, load_tokenizer
+
+
+def served_model_name(config: KilnConfig) -> str:
+    """The name clients use: ``--served-model-name``, else the model's own name."""
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    if not config.model.model:
+        return DEFAULT_MODEL_NAME
+    return config.model.model.rstrip("/")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a Jinja file, or the template text itself."""
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+class Frontend:
+    """Tokenizer, input processor and output processor for one model.
+
+    Args:
+        config: the platform-updated config.
+        max_model_len: the context length the engine core settled on.
+    """
+
+    def __init__(self, config: KilnConfig, max_model_len: int) -> None:
+        model_ref = resolve_model_ref(config.model.model)
+        loader = get_loader(model_ref, config.model.load_format)
+        hf_config = loader.load_hf_config(model_ref)
+        self.model_name = served_model_name(config)
+        self.max_model_len = max_model_len
+        self.tokenizer: Tokenizer = load_tokenizer(
+            config.model.tokenizer or loader.tokenizer_source(model_ref)
+        )
+        self.chat_template = read_chat_template(config.model.chat_template)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            max_model_len,
+            config.model.max_logprobs,
+            self.tokenizer.eos_token_id,
+            vocab_size=int(hf_config.get("vocab_size") or self.tokenizer.vocab_size),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Validate ``prompt``, register it with the output processor, and return the engine-core
+        requests to send (one per completion when ``n > 1``).
+
+        Raises:
+            ValueError: an invalid prompt or params (see ``InputProcessor.process``).
+        """
+        request = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        children = fan_out(request)
+        parent = ParentRequest(request_id, request.sampling_params) if params.n > 1 else None
+        text = prompt_text(prompt)
+        for index, child in enumerate(children):
+            self.output_processor.add_request(child, text, parent, index)
+        return children
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of a conversation, rendered with the model's (or the given) template.
+
+        Raises:
+            ValueError: the model has no chat template and none was given, or the template failed.
+        """
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template or self.chat_template,
+            **dict(chat_template_kwargs or {}),
+        )

@@ -1,0 +1,51 @@
+"""The synchronous, in-process engine behind the offline ``LLM``: front end + engine core in one
+process, stepped by the caller."""
+
+from __future__ import annotations
+
+from kiln.config import KilnConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.frontend import Frontend
+from kiln.engine.input_processor import PromptType
+from kiln.engine.stats import StatsRecorder
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Args:
+    config: the platform-updated config (``init_process`` has run in this process).
+    log_stats: log throughput and cache statistics every 10 s while busy.
+    """
+
+    def __init__(self, config: KilnConfig, log_stats: bool = True) -> None:
+        self.engine_core = EngineCore(config)
+        self.config = self.engine_core.config
+        self.frontend = Frontend(self.config, self.engine_core.max_model_len)
+        self.stats = StatsRecorder(10.0 if log_stats else 0.0)
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` for an invalid prompt or params."""
+        for request in self.frontend.make_requests(request_id, prompt, params, priority):
+            self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        core_ids = self.frontend.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.frontend.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests that advanced."""
+        outputs = self.engine_core.step()
+        processed = self.frontend.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        self.stats.record(outputs.scheduler_stats, processed.iteration_stats)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

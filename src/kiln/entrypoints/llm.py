@@ -1,0 +1,125 @@
+"""The offline front door: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``.
+
+The engine core runs in this process. ``model=None`` serves the embedded default model
+(SmolLM2-135M-Instruct). Keyword arguments are ``kiln serve``'s flags with underscores
+(``max_num_seqs=16``, ``kv_cache_memory=2``...); an unknown one is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.input_processor import PromptType
+from kiln.engine.llm_engine import LLMEngine
+from kiln.outputs import RequestOutput
+from kiln.plugins import init_process
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+from kiln.tokenizer import Tokenizer
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, log_stats: bool = False, **kwargs: Any):
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        config = init_process("offline", args.create_config())
+        self.llm_engine = LLMEngine(config, log_stats=log_stats)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.frontend.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs in the order of ``prompts``.
+
+        Args:
+            prompts: a string, token ids, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+            use_tqdm: show a progress bar.
+            priority: per prompt; lower runs first.
+
+        Raises:
+            ValueError: an invalid prompt or params (nothing is queued then).
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+            )
+        return self._run(prompts, params_list, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}``) or to several."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        frontend = self.llm_engine.frontend
+        prompts = [
+            frontend.render_chat(
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    params = params.clone()
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                request_ids.append(request_id)
+        except ValueError:
+            engine.abort_request(request_ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

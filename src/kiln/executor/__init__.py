@@ -1,0 +1,62 @@
+"""Executors: how the engine core reaches its workers.
+
+``Executor`` is the seam: the engine core calls typed methods on it, never a worker directly.
+``UniProcExecutor`` runs one worker in the engine core's own process. The multiprocess and Ray
+executors (one process per rank, many machines) come with tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kiln.config import KilnConfig
+from kiln.core.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: KilnConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def get_class(config: KilnConfig) -> type[Executor]:
+        """The executor class for ``parallel.distributed_executor_backend``.
+
+        Raises:
+            NotImplementedError: "mp" or "ray" (not built yet).
+        """
+        backend = config.parallel.distributed_executor_backend
+        if backend == "uni":
+            from kiln.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise NotImplementedError(
+            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'uni'"
+        )
+
+    @abstractmethod
+    def initialize(self) -> None:
+        """Start the workers: device init and model load on every rank."""
+
+    @abstractmethod
+    def determine_available_memory(self) -> list[int]:
+        """Bytes each rank can give the KV cache."""
+
+    @abstractmethod
+    def get_kv_cache_bytes_per_block(self) -> int: ...
+
+    @abstractmethod
+    def get_max_model_len(self) -> int: ...
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV-cache blocks on every rank and warm the model up."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

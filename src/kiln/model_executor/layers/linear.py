@@ -1,0 +1,367 @@
+"""Linear layers with a quantization hook and per-parameter weight loaders.
+
+Contract: a linear layer computes ``y = x @ W^T + b`` for ``x`` [num_tokens, input_size]. How ``W``
+is stored and multiplied is its ``quant_method``'s business (a ``LinearMethodBase``): the method
+creates the layer's parameters (``create_weights``) and runs the product (``apply``). The default,
+``UnquantizedLinearMethod``, keeps a dense ``weight`` [output_size, input_size] and calls
+``F.linear``. A plugin that keeps weights quantized supplies a ``QuantizationConfig`` whose
+``get_linear_method(layer, prefix)`` returns its own method (its own parameters, each with a
+``weight_loader``).
+
+Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``. Fused layers use
+``shard_id`` to place one checkpoint tensor inside the fused parameter: ``QKVParallelLinear`` takes
+``"q"``, ``"k"``, ``"v"``; ``MergedColumnParallelLinear`` takes the index of the merged output
+(``0`` = gate, ``1`` = up). Fusing turns three (or two) matmuls into one, which is what the hot
+path wants.
+
+Tensor parallelism: the ``tp_size`` arguments are the seam where sharding will go (column-parallel
+layers split the output dimension, row-parallel ones the input dimension); only ``tp_size=1`` is
+implemented, and any other value raises ``NotImplementedError``.
+
+Every layer here is the custom op ``"linear"``: a provider may register a faster implementation
+for all of them at once. This module knows nothing about models, checkpoints or file formats.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.model_executor.custom_op import CustomOp, register_op
+
+WeightLoader = Callable[..., None]
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
+    """Attach loading metadata (``weight_loader``, ``output_dim``...) to a parameter."""
+    for key, value in attrs.items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)
+
+
+def default_weight_loader(
+    param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
+) -> None:
+    """Copy a whole checkpoint tensor into ``param`` (same shape; dtype/device converted).
+
+    Raises:
+        ValueError: a ``shard_id`` was given, or the shapes differ.
+    """
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused; got {shard_id=}")
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit parameter of "
+            f"shape {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def _check_tp(tp_size: int) -> None:
+    if tp_size != 1:
+        raise NotImplementedError(f"tensor parallelism is not implemented yet (tp_size={tp_size})")
+
+
+class LinearMethodBase(ABC):
+    """How a linear layer stores its weight and computes its product."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        """Register the layer's weight parameters on ``layer``.
+
+        Args:
+            input_size: input features (of this rank's shard).
+            output_partition_sizes: output features of each fused part (one entry when unfused),
+                in the order they are concatenated.
+            params_dtype: the model's compute dtype.
+            weight_loader: the layer's loader; set it as ``weight_loader`` on every parameter
+                that is loaded from a checkpoint tensor.
+        """
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` [num_tokens, input_size] -> [num_tokens, output_size]."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
+        """Repack weights once every shard is loaded (a quantized layout, say). Default: no-op."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """A dense weight [output_size, input_size] in the compute dtype; ``F.linear``."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"weight_loader": weight_loader, "output_dim": 0})
+        layer.register_parameter("weight", weight)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """What a quantization plugin supplies: the linear method of each layer."""
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        """The method for the layer named ``prefix``, or None to keep it unquantized."""
+
+
+@register_op("linear")
+class LinearBase(CustomOp):
+    """Base of every linear layer.
+
+    Args:
+        input_size: input features.
+        output_partition_sizes: output features of each fused part.
+        bias: whether the layer has a bias [output_size].
+        params_dtype: parameter dtype (the model's compute dtype).
+        quant_config: picks the linear method; None -> ``UnquantizedLinearMethod``.
+        prefix: the layer's name in the model (``model.layers.0.self_attn.qkv_proj``).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_partition_sizes: Sequence[int],
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        params_dtype = params_dtype or torch.get_default_dtype()
+        self.input_size = input_size
+        self.output_partition_sizes = list(output_partition_sizes)
+        self.output_size = sum(self.output_partition_sizes)
+        self.prefix = prefix
+        method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(
+            self, input_size, self.output_partition_sizes, params_dtype, self.weight_loader
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size, dtype=params_dtype), requires_grad=False
+            )
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader, "output_dim": 0})
+        else:
+            self.register_parameter("bias", None)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        # [num_tokens, input_size] -> [num_tokens, output_size]
+        return self.quant_method.apply(self, x, self.bias)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_partition_sizes}, "
+            f"bias={self.bias is not None}, method={type(self.quant_method).__name__}"
+        )
+
+    @classmethod
+    def make_examples(cls, generator: torch.Generator) -> list[tuple[CustomOp, tuple, dict]]:
+        layers: list[LinearBase] = [
+            ReplicatedLinear(64, 48),
+            QKVParallelLinear(64, 16, 4, 2, bias=True),
+            MergedColumnParallelLinear(64, [80, 80]),
+            RowParallelLinear(64, 32, bias=True, params_dtype=torch.bfloat16),
+        ]
+        examples: list[tuple[CustomOp, tuple, dict]] = []
+        for layer in layers:
+            for param in layer.parameters():
+                param.data.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            dtype = layer.weight.dtype
+            for num_tokens in (1, 9):
+                x = torch.randn(num_tokens, 64, generator=generator).to(dtype)
+                examples.append((layer, (x,), {}))
+        return examples
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer whose whole weight lives on every rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, params_dtype, quant_config, prefix)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across ranks (each rank computes a slice of the features).
+
+    Fused subclasses concatenate several outputs; their shards are laid out in
+    ``output_partition_sizes`` order along dimension 0 of every parameter that has
+    ``output_dim`` (weight and bias).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_size: int = 1,
+    ) -> None:
+        _check_tp(tp_size)
+        super().__init__(input_size, output_sizes, bias, params_dtype, quant_config, prefix)
+        self.tp_size = tp_size
+
+    def _shard_offset(self, shard_index: int) -> tuple[int, int]:
+        """(offset, size) of fused part ``shard_index`` along the output dimension."""
+        sizes = self.output_partition_sizes
+        return sum(sizes[:shard_index]), sizes[shard_index]
+
+    def _load_shard(self, param: torch.Tensor, loaded_weight: torch.Tensor, index: int) -> None:
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            # A parameter shared by every shard (a per-tensor scale, say): loaded whole.
+            default_weight_loader(param, loaded_weight)
+            return
+        offset, size = self._shard_offset(index)
+        target = param.data.narrow(output_dim, offset, size)
+        if target.shape != loaded_weight.shape:
+            raise ValueError(
+                f"{self.prefix or type(self).__name__}: shard {index} of shape "
+                f"{tuple(loaded_weight.shape)} does not fit {tuple(target.shape)}"
+            )
+        target.copy_(loaded_weight)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (gate and up projections).
+
+    ``weight_loader(param, w, shard_id)`` with ``shard_id`` the index into ``output_sizes``.
+    """
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded_weight)
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_partition_sizes):
+            raise ValueError(
+                f"{self.prefix}: shard_id must be in range({len(self.output_partition_sizes)}), "
+                f"got {shard_id!r}"
+            )
+        self._load_shard(param, loaded_weight, shard_id)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections fused into one matmul.
+
+    Output layout: ``[q (num_heads * head_size) | k (num_kv_heads * head_size) | v (same)]``.
+    ``weight_loader(param, w, shard_id)`` with ``shard_id`` in ``"q"``, ``"k"``, ``"v"``.
+    """
+
+    _SHARDS = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_size: int = 1,
+    ) -> None:
+        num_kv_heads = total_num_kv_heads or total_num_heads
+        q_size = total_num_heads * head_size
+        kv_size = num_kv_heads * head_size
+        super().__init__(
+            hidden_size,
+            [q_size, kv_size, kv_size],
+            bias,
+            params_dtype,
+            quant_config,
+            prefix,
+            tp_size,
+        )
+        self.head_size = head_size
+        self.num_heads = total_num_heads
+        self.num_kv_heads = num_kv_heads
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded_weight)
+            return
+        if shard_id not in self._SHARDS:
+            raise ValueError(f"{self.prefix}: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        self._load_shard(param, loaded_weight, self._SHARDS.index(shard_id))
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks (the output is summed over ranks: an all-reduce)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_size: int = 1,
+    ) -> None:
+        _check_tp(tp_size)
+        super().__init__(input_size, [output_size], bias, params_dtype, quant_config, prefix)
+        self.tp_size = tp_size
+
+
+__all__ = [
+    "ColumnParallelLinear",
+    "LinearBase",
+    "LinearMethodBase",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "QuantizationConfig",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "UnquantizedLinearMethod",
+    "default_weight_loader",
+    "set_weight_attrs",
+]

@@ -1,0 +1,150 @@
+"""Token embedding, the LM head, and the logits processor.
+
+Contract:
+- ``VocabParallelEmbedding(vocab, hidden)(input_ids [T]) -> [T, hidden]``.
+- ``ParallelLMHead(vocab, hidden)`` holds the output projection ``weight`` [vocab, hidden]; it is
+  never called directly. With ``tie_word_embeddings`` a model calls ``lm_head.tie_weights(embed)``
+  so both share one parameter.
+- ``LogitsProcessor(vocab)(lm_head, hidden_states [N, hidden]) -> [N, vocab]`` float32 logits.
+  It computes only the rows it is given: the caller (the model runner) selects the rows it needs
+  (the last scheduled token of each request) before calling, so a 2,000-token prefill costs one
+  row of the vocabulary matmul, not 2,000. The matmul runs in the model's dtype (converting the
+  whole ``[vocab, hidden]`` matrix to float32 each step would cost more than the product); the
+  result is returned in float32 for the sampler.
+
+Tensor parallelism would split the vocabulary across ranks (``tp_size`` is the seam; only 1 is
+implemented). This module knows nothing about models, sampling or checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.model_executor.custom_op import CustomOp, register_op
+from kiln.model_executor.layers.linear import default_weight_loader, set_weight_attrs
+
+
+def _check_tp(tp_size: int) -> None:
+    if tp_size != 1:
+        raise NotImplementedError(f"vocabulary parallelism is not implemented yet ({tp_size=})")
+
+
+@register_op("vocab_parallel_embedding")
+class VocabParallelEmbedding(CustomOp):
+    """Embedding table [num_embeddings, embedding_dim]; ``forward(input_ids)`` looks rows up.
+
+    Args:
+        num_embeddings: vocabulary size.
+        embedding_dim: hidden size.
+        params_dtype: the model's compute dtype.
+        prefix: the layer's name in the model.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        _check_tp(tp_size)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_size = tp_size
+        self.prefix = prefix
+        self.weight = nn.Parameter(
+            torch.empty(
+                num_embeddings, embedding_dim, dtype=params_dtype or torch.get_default_dtype()
+            ),
+            requires_grad=False,
+        )
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+
+    def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+    @classmethod
+    def make_examples(cls, generator: torch.Generator) -> list[tuple[CustomOp, tuple, dict]]:
+        embed = cls(100, 32)
+        embed.weight.data.copy_(torch.randn(100, 32, generator=generator))
+        ids = torch.randint(0, 100, (11,), generator=generator)
+        return [(embed, (ids,), {})]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; used through ``LogitsProcessor``, never called itself."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype, prefix, tp_size)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(num_embeddings, dtype=self.weight.dtype), requires_grad=False
+            )
+            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
+        """Share ``embed_tokens``' weight (``tie_word_embeddings``); returns self."""
+        self.weight = embed_tokens.weight
+        return self
+
+    def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called directly")
+
+
+@register_op("logits_processor")
+class LogitsProcessor(CustomOp):
+    """Hidden states of the selected rows -> float32 logits.
+
+    Args:
+        vocab_size: columns of the result (a padded LM head is cut back to it).
+        scale: multiplier of the logits (1.0 for every model here).
+    """
+
+    def __init__(self, vocab_size: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.scale = scale
+
+    def forward_native(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states`` [N, hidden] -> [N, vocab_size] float32."""
+        logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)  # [N, padded vocab]
+        logits = logits[..., : self.vocab_size].float()
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, scale={self.scale}"
+
+    @classmethod
+    def make_examples(cls, generator: torch.Generator) -> list[tuple[CustomOp, tuple, dict]]:
+        examples: list[tuple[CustomOp, tuple, dict]] = []
+        for dtype in (torch.float32, torch.bfloat16):
+            head = ParallelLMHead(120, 32, params_dtype=dtype)
+            head.weight.data.copy_(torch.randn(120, 32, generator=generator))
+            op = cls(100)
+            # A submodule of the op, so moving the op to a device moves the head passed in args.
+            op.example_lm_head = head
+            hidden = torch.randn(3, 32, generator=generator).to(dtype)
+            examples.append((op, (head, hidden), {}))
+        return examples
+
+
+__all__ = ["LogitsProcessor", "ParallelLMHead", "VocabParallelEmbedding"]

@@ -1,0 +1,430 @@
+"""Llama-family models on Kiln's paged KV cache (Llama 2/3, TinyLlama, SmolLM2, Mistral).
+
+Contract, shared by every model in this package:
+- ``Model(hf_config, dtype, prefix="", quant_config=None)``: ``hf_config`` is a dict of
+  ``config.json`` keys (or an object with those attributes); parameters are created empty, in
+  ``dtype``, on the current default device (build under ``with torch.device(...)``).
+- ``forward(input_ids [T], positions [T]) -> hidden_states [T, hidden]``: ``T`` is the flattened
+  batch of every token scheduled this step, requests back to back. Attention layers read the
+  step's metadata from the forward context and their KV caches from ``layer.kv_cache``.
+- ``compute_logits(hidden_states [N, hidden]) -> [N, vocab]`` float32, for the rows the caller
+  selected.
+- ``load_weights(iterable of (hf_name, tensor)) -> set[str]``: Hugging Face names are mapped onto
+  Kiln's fused parameters (``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``);
+  returns the names of the parameters that were completely loaded.
+- ``attention_layers() -> dict[layer name, Attention]`` for binding KV caches.
+
+Models know nothing about scheduling, sampling, devices or the weight file format. Variants
+(Qwen2, Qwen3) reuse these blocks: they change ``DecoderArgs`` (biases, sliding windows) through
+``parse_config`` / ``sliding_windows`` and the attention class through ``attention_cls``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kiln.model_executor.layers.activation import SiluAndMul
+from kiln.model_executor.layers.attention import Attention, get_attention_layers
+from kiln.model_executor.layers.layernorm import RMSNorm
+from kiln.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    QuantizationConfig,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from kiln.model_executor.layers.rotary_embedding import RotaryEmbedding
+from kiln.model_executor.layers.vocab_embedding import (
+    LogitsProcessor,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+
+
+def config_dict(hf_config: Any) -> dict[str, Any]:
+    """``hf_config`` as a plain dict: a dict, a ``PretrainedConfig`` or a simple namespace."""
+    if isinstance(hf_config, dict):
+        return hf_config
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    return dict(vars(hf_config))
+
+
+def rope_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling or None)`` from old-style (``rope_theta`` + ``rope_scaling``)
+    or transformers-5-style (``rope_parameters``) config keys."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta") or 10000.0))
+    scaling = cfg.get("rope_scaling")
+    if not scaling and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    return theta, scaling or None
+
+
+def join_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """What the building blocks need from a config, normalized across architectures."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]
+    """Per layer: the attention window, or None for full attention."""
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(
+        self,
+        args: DecoderArgs,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        size = args.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            args.hidden_size,
+            [size, size],
+            bias=args.mlp_bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=join_prefix(prefix, "gate_up_proj"),
+        )
+        self.down_proj = RowParallelLinear(
+            size,
+            args.hidden_size,
+            bias=args.mlp_bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=join_prefix(prefix, "down_proj"),
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [T, hidden] -> [T, 2 * inter] -> [T, inter] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary embedding, paged attention, output projection.
+
+    Subclasses change how q and k are prepared for attention by overriding ``embed_positions``.
+    """
+
+    def __init__(
+        self,
+        args: DecoderArgs,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            args.hidden_size,
+            args.head_dim,
+            args.num_heads,
+            args.num_kv_heads,
+            bias=args.qkv_bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=join_prefix(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size,
+            args.hidden_size,
+            bias=args.o_proj_bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=join_prefix(prefix, "o_proj"),
+        )
+        # One instance shared by every layer (its cos/sin cache is the same).
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            args.num_heads,
+            args.head_dim,
+            args.head_dim**-0.5,
+            args.num_kv_heads,
+            prefix=join_prefix(prefix, "attn"),
+            sliding_window=args.sliding_windows[layer_idx],
+        )
+
+    def embed_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H * D], k [T, Hkv * D] -> the same, ready for attention (rotated)."""
+        return self.rotary_emb(positions, q, k)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, (H + 2 * Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.embed_positions(positions, q, k)
+        out = self.attn(q, k, v)  # [T, H * D]
+        return self.o_proj(out)  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried beside the hidden states (fused adds)."""
+
+    def __init__(
+        self,
+        args: DecoderArgs,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(
+            args, layer_idx, rotary_emb, dtype, quant_config, join_prefix(prefix, "self_attn")
+        )
+        self.mlp = LlamaMLP(args, dtype, quant_config, join_prefix(prefix, "mlp"))
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual)``; their sum is the layer's output."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(
+        self,
+        args: DecoderArgs,
+        attention_cls: type[LlamaAttention],
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            args.vocab_size, args.hidden_size, dtype, prefix=join_prefix(prefix, "embed_tokens")
+        )
+        rotary_emb = RotaryEmbedding(
+            args.head_dim, args.max_position, args.rope_theta, args.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                args,
+                i,
+                rotary_emb,
+                attention_cls,
+                dtype,
+                quant_config,
+                join_prefix(prefix, f"layers.{i}"),
+            )
+            for i in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-architecture causal LM; see the module docstring for the contract."""
+
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # Checkpoint module name -> (Kiln's fused module, shard id).
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype = torch.float32,
+        prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.args = self.parse_config(hf_config)
+        self.dtype = dtype
+        self.model = LlamaModel(
+            self.args, self.attention_cls, dtype, quant_config, join_prefix(prefix, "model")
+        )
+        self.lm_head = ParallelLMHead(
+            self.args.vocab_size,
+            self.args.hidden_size,
+            params_dtype=dtype,
+            prefix=join_prefix(prefix, "lm_head"),
+        )
+        if self.args.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(self.args.vocab_size)
+
+    @classmethod
+    def parse_config(cls, hf_config: Any) -> DecoderArgs:
+        """Normalize a Hugging Face config.
+
+        Raises:
+            ValueError: an activation other than SiLU, or unsupported rope scaling.
+        """
+        cfg = config_dict(hf_config)
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; allowed: 'silu'")
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        theta, scaling = rope_config(cfg)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return DecoderArgs(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_proj_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_windows=cls.sliding_windows(cfg, num_layers),
+        )
+
+    @staticmethod
+    def sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+        """Per-layer attention windows: ``sliding_window`` (Mistral) on every layer, or on the
+        layers ``layer_types`` marks ``sliding_attention`` when the config has them."""
+        window = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types")
+        if window is None:
+            return (None,) * num_layers
+        if layer_types:
+            return tuple(window if t == "sliding_attention" else None for t in layer_types)
+        return (int(window),) * num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` [T], ``positions`` [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def attention_layers(self) -> dict[str, Attention]:
+        """Attention layers by name, in layer order, for binding KV caches."""
+        return get_attention_layers(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named tensors into this model's (fused) parameters.
+
+        Skips rotary ``inv_freq`` buffers and, with tied embeddings, ``lm_head.*``.
+
+        Returns:
+            names (as in ``named_parameters()``) of the parameters fully loaded; a fused
+            parameter counts once all its shards were seen.
+
+        Raises:
+            ValueError: a tensor has no matching parameter, or its shape does not fit.
+        """
+        params = dict(self.named_parameters())
+        all_shards: dict[str, set[str | int]] = {}
+        for fused, shard in self.packed_modules.values():
+            all_shards.setdefault(fused, set()).add(shard)
+        seen_shards: dict[str, set[str | int]] = {}
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.args.tie_word_embeddings and hf_name.startswith("lm_head."):
+                continue
+            name, fused, shard = self._param_name(hf_name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} matches no parameter of "
+                    f"{type(self).__name__} (looked for {name!r})"
+                )
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            if fused is None:
+                weight_loader(param, tensor)
+                loaded.add(name)
+            else:
+                weight_loader(param, tensor, shard)
+                seen = seen_shards.setdefault(name, set())
+                seen.add(shard)
+                if seen == all_shards[fused]:
+                    loaded.add(name)
+        return loaded
+
+    def _param_name(self, hf_name: str) -> tuple[str, str | None, str | int | None]:
+        """``(parameter name, fused module or None, shard id or None)`` of a checkpoint name."""
+        parts = hf_name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed_modules:
+                fused, shard = self.packed_modules[part]
+                parts[i] = fused
+                return ".".join(parts), fused, shard
+        return hf_name, None, None
+
+
+__all__ = [
+    "DecoderArgs",
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "LlamaModel",
+    "config_dict",
+    "rope_config",
+]

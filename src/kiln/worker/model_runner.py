@@ -1,0 +1,266 @@
+"""The reference model runner: ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
+
+Each step it (1) applies the scheduler's diff to the persistent batch, (2) prepares the flattened
+input ids, positions and ``CommonAttentionMetadata`` with vectorised NumPy gathers, (3) runs the
+model inside a forward context, computes logits for the last scheduled token of each request (and
+for prompt positions of requests that asked for prompt logprobs), (4) samples, and (5) reads the
+result back with one host sync. It is device-agnostic PyTorch: platforms reuse it or subclass it.
+
+It knows nothing about scheduling policy or text; the platform's attention backend, graph wrapper
+and device come from the config and the platform.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.config import KilnConfig, set_current_config
+from kiln.core.sched.output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from kiln.engine import LogprobsLists
+from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.model_executor.layers.attention import (
+    CommonAttentionMetadata,
+    bind_kv_cache,
+    resolve_attn_backend,
+)
+from kiln.model_executor.loader import resolve_model_ref
+from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
+from kiln.sampling.sampler import Sampler, compute_prompt_logprobs
+from kiln.utils import resolve_obj_by_qualname
+from kiln.worker.input_batch import InputBatch
+from kiln.worker.worker_base import ModelRunnerBase
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner(ModelRunnerBase):
+    def __init__(self, config: KilnConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = _DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.attn_backend = resolve_attn_backend(config.device.attention_backend)
+        self.sampler = Sampler()
+        self.model: Any = None
+        self.hf_config: dict[str, Any] = {}
+        self.max_model_len = 0
+        self.input_batch: InputBatch | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        # Prompt logprobs of chunked prefills, gathered until the prompt is complete.
+        self._prompt_logprobs: dict[str, list[LogprobsLists]] = {}
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        with set_current_config(self.config):
+            model, self.hf_config = load_model(
+                resolve_model_ref(self.config.model.model),
+                self.dtype,
+                self.device,
+                self.config.model.load_format,
+            )
+        wrapper_cls = resolve_obj_by_qualname(self.config.device.graph_wrapper_cls)
+        self.model = model
+        self.runnable = wrapper_cls(model, self.config)
+        model_len = int(self.hf_config.get("max_position_embeddings") or 2048)
+        self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_token(self.hf_config, self.dtype) * self.block_size
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = {}
+        for name, layer in self.model.attention_layers().items():
+            shape = self.attn_backend.get_kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+            # Zeros: backends may read unwritten slots under a mask, which must stay finite.
+            self.kv_caches[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        bind_kv_cache(self.model, self.kv_caches)
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(
+            self.config.scheduler.max_num_seqs,
+            self.max_model_len,
+            max_blocks_per_req,
+            self.vocab_size,
+            self.device,
+        )
+        self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(
+            self.block_size, self.device
+        )
+
+    # -- one step ----------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        assert batch is not None, "initialize_kv_cache() must run before execute_model()"
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        rows = [
+            batch.req_id_to_index[req_id]
+            for req_id in batch.req_ids
+            if scheduler_output.num_scheduled_tokens.get(req_id, 0) > 0
+        ]
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[batch.req_ids[row]] for row in rows],
+            dtype=np.int64,
+        )
+        input_ids, positions, common = self._prepare_inputs(rows, num_scheduled)
+        attn_metadata = self.metadata_builder.build(common)
+        logits_indices = common.query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
+        with set_forward_context(ForwardContext(attn_metadata, num_tokens=len(input_ids))):
+            hidden_states = self.runnable(input_ids, positions)  # [num_tokens, hidden]
+            logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, V]
+
+        # A request still inside its prompt after this step samples nothing; its generator must
+        # not advance, so a seed gives the same tokens however the prompt was chunked.
+        computed_after = batch.num_computed_tokens[rows] + num_scheduled
+        is_partial = computed_after < batch.num_tokens[rows]
+        metadata = batch.sampling_metadata(rows)
+        saved = {
+            i: metadata.generators[i].get_state()
+            for i in np.flatnonzero(is_partial).tolist()
+            if i in metadata.generators
+        }
+        sampler_output = self.sampler(logits, metadata)
+        for i, state in saved.items():
+            metadata.generators[i].set_state(state)
+
+        prompt_logprobs = self._prompt_logprobs_step(rows, num_scheduled, hidden_states, common)
+        sampled = sampler_output.sampled_token_ids.tolist()  # the step's one host sync
+        logprobs = None
+        if sampler_output.logprobs_tensors is not None:
+            logprobs = LogprobsLists(*sampler_output.logprobs_tensors.tolists())
+
+        req_ids = [batch.req_ids[row] for row in rows]
+        sampled_token_ids: list[list[int]] = []
+        for i, row in enumerate(rows):
+            batch.num_computed_tokens[row] = computed_after[i]
+            if is_partial[i]:
+                sampled_token_ids.append([])
+            else:
+                batch.append_token(row, sampled[i])
+                sampled_token_ids.append([sampled[i]])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        assert batch is not None
+        for req_id in scheduler_output.finished_req_ids:
+            batch.remove_request(req_id)
+            self._prompt_logprobs.pop(req_id, None)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = batch.req_id_to_index[req_id]
+            batch.append_blocks(row, new_blocks)
+            batch.num_computed_tokens[row] = num_computed
+        for new in scheduler_output.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # resumed after preemption: start afresh
+            batch.add_request(new)
+
+    def _prepare_inputs(
+        self, rows: list[int], num_scheduled: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+        batch = self.input_batch
+        assert batch is not None
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        num_reqs, num_tokens = len(rows), int(num_scheduled.sum())
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        computed = batch.num_computed_tokens[rows_arr]
+        # Request index of every scheduled token, then its position in its request.
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)  # [num_tokens]
+        offsets = np.arange(num_tokens) - query_start_loc[req_indices]
+        positions = computed[req_indices] + offsets  # [num_tokens]
+        token_rows = rows_arr[req_indices]
+        input_ids = batch.token_ids[token_rows, positions]  # [num_tokens]
+        block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        seq_lens = computed + num_scheduled
+        max_blocks = int(batch.num_blocks[rows_arr].max())
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)),
+            block_table=torch.from_numpy(
+                np.ascontiguousarray(batch.block_table[rows_arr, :max_blocks])
+            ),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return (
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            common,
+        )
+
+    def _prompt_logprobs_step(
+        self,
+        rows: list[int],
+        num_scheduled: np.ndarray,
+        hidden_states: torch.Tensor,
+        common: CommonAttentionMetadata,
+    ) -> dict[str, LogprobsLists | None]:
+        """Logprobs of the prompt tokens computed this step, for requests that asked.
+
+        Position ``p`` predicts prompt token ``p + 1``; a request's complete list (``P - 1``
+        entries) is returned in the step its prefill finishes.
+        """
+        batch = self.input_batch
+        assert batch is not None
+        result: dict[str, LogprobsLists | None] = {}
+        starts = common.query_start_loc.tolist()
+        for i, row in enumerate(rows):
+            state = batch.requests[row]
+            num_logprobs = state.sampling_params.prompt_logprobs
+            num_prompt = int(batch.num_prompt_tokens[row])
+            start = int(common.num_computed_tokens[i])
+            if num_logprobs is None or start >= num_prompt:
+                continue
+            end = min(start + int(num_scheduled[i]), num_prompt - 1)  # last position with a target
+            chunks = self._prompt_logprobs.setdefault(state.req_id, [])
+            if end > start:
+                token_start = starts[i]
+                logits = self.model.compute_logits(
+                    hidden_states[token_start : token_start + end - start]
+                )
+                targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1])
+                chunks.append(
+                    LogprobsLists(*compute_prompt_logprobs(logits, targets, num_logprobs).tolists())
+                )
+            if start + int(num_scheduled[i]) >= num_prompt:
+                parts = self._prompt_logprobs.pop(state.req_id)
+                result[state.req_id] = LogprobsLists(
+                    [r for p in parts for r in p.logprob_token_ids],
+                    [r for p in parts for r in p.logprobs],
+                    [r for p in parts for r in p.sampled_token_ranks],
+                )
+        return result
+
+    def dummy_run(self, num_tokens: int) -> None:
+        """Run the model once without attention metadata (warm-up; attention returns zeros)."""
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        with set_forward_context(ForwardContext(None, num_tokens=num_tokens)):
+            self.runnable(input_ids, positions)

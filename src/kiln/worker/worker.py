@@ -1,0 +1,92 @@
+"""The reference worker: one device, one model runner.
+
+It initialises the device through the platform, loads the model, sizes the KV cache from the
+platform's memory information and ``cache.kv_cache_memory``, and executes steps. Device-specific
+calls go through ``current_platform``; nothing here names a device type.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kiln.config import KilnConfig
+from kiln.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kiln.plugins.interfaces import resolve_class
+from kiln.worker.worker_base import WorkerBase
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_FRACTION = 0.4
+"""Share of the memory free after loading that the KV cache takes when not configured."""
+MAX_DEFAULT_KV_CACHE_BYTES = 4 * GiB
+"""Cap of the unconfigured default: host memory is shared with everything else on the machine."""
+
+
+def kv_cache_budget(kv_cache_memory: float | None, free_bytes: int) -> int:
+    """Bytes for the KV cache: ``kv_cache_memory`` GiB when > 1, that fraction of the free memory
+    when in (0, 1], else the default (``DEFAULT_KV_CACHE_FRACTION`` of free, at most 4 GiB)."""
+    if kv_cache_memory is None:
+        return int(min(free_bytes * DEFAULT_KV_CACHE_FRACTION, MAX_DEFAULT_KV_CACHE_BYTES))
+    if kv_cache_memory > 1:
+        return int(kv_cache_memory * GiB)
+    return int(free_bytes * kv_cache_memory)
+
+
+class Worker(WorkerBase):
+    def __init__(
+        self, config: KilnConfig, local_rank: int, rank: int, distributed_init_method: str
+    ) -> None:
+        from kiln.platforms import current_platform
+
+        self.config = config
+        self.local_rank, self.rank = local_rank, rank
+        self.distributed_init_method = distributed_init_method
+        self.platform = current_platform
+        self.device = current_platform.get_device(local_rank)
+        self.model_runner: Any = None
+
+    def init_device(self) -> None:
+        self.platform.set_device(self.device)
+        self.platform.seed_everything(self.config.model.seed)
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                "tensor_parallel_size > 1 needs the multiprocess executor, which is not built yet"
+            )
+        runner_cls = resolve_class("model_runner_cls", self.config.device.model_runner_cls)
+        self.model_runner = runner_cls(self.config, self.device)
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        with self.platform.inference_mode():
+            self.model_runner.load_model()
+        logger.info("model loaded in %.1f s", time.perf_counter() - start)
+
+    def determine_available_memory(self) -> int:
+        free, _total = self.platform.mem_get_info(self.device)
+        return kv_cache_budget(self.config.cache.kv_cache_memory, free)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        with self.platform.inference_mode():
+            self.model_runner.dummy_run(min(16, self.config.scheduler.max_num_batched_tokens))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self.platform.inference_mode():
+            return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+        torch.set_grad_enabled(True)
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return self.model_runner.get_kv_cache_bytes_per_block()
+
+    def get_max_model_len(self) -> int:
+        return self.model_runner.max_model_len
