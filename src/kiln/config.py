@@ -71,8 +71,10 @@ class CacheConfig:
     block_size: int = 16
     """Token slots per KV-cache block."""
     kv_cache_memory: float | None = None
-    """KV-cache size: GiB when > 1, a fraction of free device memory when in (0, 1]; None lets
-    the platform decide."""
+    """KV-cache size in GiB (0.25 is 256 MiB); None: see ``kv_cache_memory_fraction``."""
+    kv_cache_memory_fraction: float | None = None
+    """KV-cache size as a fraction of the memory free after the model loads, in (0, 1]; with
+    neither set the worker takes its default."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests whose prompts start the same way."""
 
@@ -87,7 +89,19 @@ class CacheConfig:
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "cache.kv_cache_memory",
             self.kv_cache_memory,
-            "a fraction in (0, 1], a size in GiB above 1, or None",
+            "a size in GiB above 0, or None",
+        )
+        _check(
+            self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,
+            "cache.kv_cache_memory_fraction",
+            self.kv_cache_memory_fraction,
+            "a fraction in (0, 1], or None",
+        )
+        _check(
+            self.kv_cache_memory is None or self.kv_cache_memory_fraction is None,
+            "cache.kv_cache_memory_fraction",
+            self.kv_cache_memory_fraction,
+            "None when cache.kv_cache_memory is set (give a size or a fraction, not both)",
         )
 
 

@@ -224,3 +224,12 @@ def test_loading_is_idempotent_in_a_fresh_process():
         "same": True,
         "phases": ["discover", "select", "register", "configure"],
     }
+
+
+def test_the_chosen_platform_declares_its_own_config_section():
+    rc, report = plugin_report(plugin_config='{"cpu": {"num_threads": 1}}')
+    assert rc == 0, report.get("error")
+    assert [row["field"] for row in report["plugin_config"]["cpu"]] == ["num_threads"]
+    rc, report = plugin_report(plugin_config='{"cpu": {"num_threads": 0}}')
+    assert rc == 1
+    assert "cpu.num_threads=0 is invalid" in report["error"]

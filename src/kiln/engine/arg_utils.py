@@ -35,7 +35,8 @@ class EngineArgs:
     chat_template: str | None = None
     max_logprobs: int = 20
     block_size: int = 16
-    kv_cache_memory: float | None = None
+    kv_cache_memory: float | str | None = None
+    """GiB (``2``, ``0.5``) or a percentage of free memory (``"40%"``)."""
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -71,7 +72,7 @@ class EngineArgs:
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory=self.kv_cache_memory,
+                **parse_kv_cache_memory(self.kv_cache_memory),
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
@@ -132,9 +133,10 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
         g.add_argument(
             "--kv-cache-memory",
-            type=float,
             default=None,
-            help="KV-cache size in GiB (> 1) or as a fraction of free memory (<= 1)",
+            metavar="GIB|PCT%",
+            help="KV-cache size: GiB (e.g. 2 or 0.5) or a share of free memory (e.g. 40%%); "
+            "default: 40%% of free memory, at most 4 GiB",
         )
         g.add_argument(
             "--enable-prefix-caching",
@@ -169,3 +171,23 @@ class EngineArgs:
             metavar="JSON",
             help='plugin settings, e.g. \'{"name": {"key": 1}}\' (see `kiln plugins`)',
         )
+
+
+def parse_kv_cache_memory(value: float | str | None) -> dict[str, float | None]:
+    """``--kv-cache-memory``: a number is GiB, ``"N%"`` a share of free memory.
+
+    Raises:
+        ValueError: neither form (the message shows both).
+    """
+    if value is None:
+        return {"kv_cache_memory": None, "kv_cache_memory_fraction": None}
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            return {"kv_cache_memory_fraction": float(text[:-1]) / 100}
+        return {"kv_cache_memory": float(text)}
+    except ValueError:
+        raise ValueError(
+            f"kv_cache_memory={value!r} is invalid; allowed: a size in GiB like 2 or 0.5, or a "
+            "share of free memory like 40%"
+        ) from None

@@ -2,28 +2,39 @@
 process (``AsyncMPClient``).
 
 ``generate()`` is an async iterator of ``RequestOutput``s (delta or cumulative, as the params'
-``output_kind`` says); breaking out of it, or cancelling the task that iterates, aborts the request
-in the engine core and frees its KV blocks. One background task reads engine-core outputs, runs
-the output processor and hands each output to its request's queue. If the engine core dies, every
-waiting ``generate()`` raises ``EngineDeadError``.
+``output_kind`` says); closing it early (``aclose()``, or cancelling the task that iterates, as the
+server does when a client disconnects) aborts the request in the engine core and frees its KV
+blocks. ``abort(request_id)`` from elsewhere (a server shutting
+down) ends that request's ``generate()`` with a last output whose unfinished completions have
+finish_reason ``"abort"``. One background task reads engine-core outputs, runs the output processor
+and hands each output to its request's queue. If the engine core dies, every waiting
+``generate()`` raises ``EngineDeadError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import dataclasses
 from collections.abc import AsyncIterator
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineDeadError
+from kiln.engine import EngineCoreRequest, EngineDeadError
 from kiln.engine.core_client import AsyncMPClient
 from kiln.engine.frontend import Frontend
-from kiln.engine.input_processor import PromptType
+from kiln.engine.input_processor import PromptType, prompt_text
 from kiln.engine.stats import StatsRecorder
-from kiln.outputs import RequestOutput
-from kiln.sampling_params import SamplingParams
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class _Aborted:
+    """Put in a request's queue by ``abort()``: its ``generate()`` ends with an "abort" output."""
+
+
+_ABORTED = _Aborted()
 
 
 class QueueFullError(RuntimeError):
@@ -45,7 +56,9 @@ class AsyncLLM:
         self.frontend = frontend
         self.model_name = frontend.model_name
         self.stats = StatsRecorder(10.0 if log_stats else 0.0)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | _Aborted]] = {}
+        self._background: set[asyncio.Task] = set()
+        self._is_shut_down = False
         self._output_task = asyncio.ensure_future(self._run_output_handler())
         self.num_kv_cache_tokens = client.ready.kv_cache_tokens if client.ready else 0
 
@@ -62,7 +75,13 @@ class AsyncLLM:
             EngineDeadError: the engine core failed to start.
         """
         client = AsyncMPClient(config, log_level)
-        ready = await client.start()
+        try:
+            ready = await client.start()
+        except EngineDeadError:
+            raise  # start() has cleaned up
+        except BaseException:  # cancelled (e.g. SIGTERM while the model loads): stop the process
+            client.shutdown()
+            raise
         try:
             frontend = await asyncio.get_running_loop().run_in_executor(
                 None, Frontend, config, ready.max_model_len
@@ -98,15 +117,18 @@ class AsyncLLM:
             EngineDeadError: the engine core died.
         """
         self.client._check_alive()
-        limit = self.config.scheduler.max_num_waiting
-        if limit is not None and self.stats.totals.num_waiting + self._num_unscheduled() >= limit:
+        if self.is_queue_full():
+            limit = self.config.scheduler.max_num_waiting
             raise QueueFullError(f"{limit} requests are already waiting")
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
         requests = self.frontend.make_requests(request_id, prompt, sampling_params, priority)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | BaseException | _Aborted] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
+        # For the "abort" output: which completions are still running, and the latest of each.
+        unfinished = set(range(sampling_params.n))
+        latest: dict[int, CompletionOutput] = {}
         try:
             for request in requests:
                 await self.client.add_request(request)
@@ -114,12 +136,27 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, _Aborted):
+                    finished = True
+                    yield _aborted_output(request_id, prompt, requests, unfinished, latest)
+                    break
+                for completion in item.outputs:
+                    latest[completion.index] = completion
+                    if completion.finish_reason is not None:
+                        unfinished.discard(completion.index)
                 finished = item.finished
                 yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                await self.abort(request_id)
+                # No await here: a cancelled caller (e.g. in an anyio cancel scope) could be
+                # cancelled again at the await, and the engine core would never hear of it.
+                self._abort_nowait(request_id)
+
+    def is_queue_full(self) -> bool:
+        """Whether ``scheduler.max_num_waiting`` requests already wait (a new one is refused)."""
+        limit = self.config.scheduler.max_num_waiting
+        return limit is not None and self.stats.totals.num_waiting + self._num_unscheduled() >= limit
 
     def _num_unscheduled(self) -> int:
         # Requests sent since the scheduler's last report: count them as waiting.
@@ -127,11 +164,25 @@ class AsyncLLM:
         return max(0, len(self._queues) - totals.num_running - totals.num_waiting)
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks (no-op when it already finished)."""
+        """Stop a request and free its KV blocks (no-op when it already finished).
+
+        A ``generate()`` waiting for this request's outputs yields a last output whose unfinished
+        completions have finish_reason ``"abort"``, then ends.
+        """
         core_ids = self.frontend.output_processor.abort_requests([request_id])
-        self._queues.pop(request_id, None)
-        if core_ids:
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
+        if core_ids and not self._is_shut_down:
             await self.client.abort_requests(core_ids)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        """``abort()`` for a ``generate()`` that is closing: the message goes out from a task."""
+        core_ids = self.frontend.output_processor.abort_requests([request_id])
+        if core_ids and not self._is_shut_down:
+            task = asyncio.ensure_future(self.client.abort_requests(core_ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _run_output_handler(self) -> None:
         try:
@@ -166,5 +217,35 @@ class AsyncLLM:
         return not self._queues
 
     def shutdown(self) -> None:
+        self._is_shut_down = True
         self._output_task.cancel()
+        for task in self._background:
+            task.cancel()
         self.client.shutdown()
+
+
+def _aborted_output(
+    request_id: str,
+    prompt: PromptType,
+    requests: list[EngineCoreRequest],
+    unfinished: set[int],
+    latest: dict[int, CompletionOutput],
+) -> RequestOutput:
+    """The last output of an aborted request: each unfinished completion with finish_reason
+    "abort", empty in DELTA mode and as last seen otherwise (empty in FINAL_ONLY mode, which saw
+    nothing)."""
+    delta = requests[0].sampling_params.output_kind == RequestOutputKind.DELTA
+    outputs = [
+        CompletionOutput(index=index, text="", token_ids=[], finish_reason="abort")
+        if delta or index not in latest
+        else dataclasses.replace(latest[index], finish_reason="abort")
+        for index in sorted(unfinished)
+    ]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt_text(prompt),
+        prompt_token_ids=requests[0].prompt_token_ids,
+        prompt_logprobs=None,
+        outputs=outputs,
+        finished=True,
+    )

@@ -13,7 +13,7 @@ import time
 
 from kiln.config import KilnConfig
 from kiln.core.request import Request, RequestStatus
-from kiln.engine import EngineCoreOutputs, EngineCoreRequest
+from kiln.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kiln.executor import Executor
 from kiln.plugins.interfaces import resolve_class
 
@@ -82,7 +82,9 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Run one step; returns the outputs of the requests that advanced or finished."""
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(timestamp=time.monotonic())
+            # Idle (e.g. the last request was just aborted): report it, or the front end's gauges
+            # (running, waiting, KV-cache usage) would keep the last busy step's values.
+            return EngineCoreOutputs(scheduler_stats=SchedulerStats(), timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)

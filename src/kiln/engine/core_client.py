@@ -115,7 +115,7 @@ class AsyncMPClient:
         await self._input.send_multipart([ADD, _encoder.encode(request)])
 
     async def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.is_dead:
+        if request_ids and not self.is_dead and not self._closing:
             await self._input.send_multipart([ABORT, _encoder.encode(request_ids)])
 
     async def get_output(self) -> EngineCoreOutputs:

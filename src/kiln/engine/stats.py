@@ -6,19 +6,23 @@
     Engine: prompt 812.3 tok/s, generation 95.1 tok/s | running 16, waiting 0 | KV cache 12.5% |
     prefix cache hit rate 43.0% | preemptions 0
 
-This module knows nothing about Prometheus; the server's metrics module reads the totals.
+This module knows nothing about Prometheus; the server's metrics module reads the totals and
+registers a listener (``add_listener``) for what totals cannot hold (latency histograms).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.engine import SchedulerStats
 from kiln.engine.output_processor import IterationStats
 
 logger = logging.getLogger("kiln.engine")
+
+StatsListener = Callable[[SchedulerStats | None, IterationStats | None], None]
 
 
 @dataclass
@@ -51,6 +55,12 @@ class StatsRecorder:
         self._window_generation = 0
         self._window_queries = 0
         self._window_hits = 0
+        self._listeners: list[StatsListener] = []
+
+    def add_listener(self, listener: StatsListener) -> None:
+        """Call ``listener(scheduler_stats, iteration_stats)`` on every ``record``, after the
+        totals are updated. A listener that raises is logged, never propagated."""
+        self._listeners.append(listener)
 
     def record(
         self,
@@ -77,6 +87,11 @@ class StatsRecorder:
             for finished in iteration_stats.finished_requests:
                 reason = str(finished.finish_reason)
                 t.finished_by_reason[reason] = t.finished_by_reason.get(reason, 0) + 1
+        for listener in self._listeners:
+            try:
+                listener(scheduler_stats, iteration_stats)
+            except Exception:  # metrics must never take the engine's output loop down
+                logger.exception("stats listener %r failed", listener)
         self.maybe_log(now)
 
     def maybe_log(self, now: float | None = None) -> str | None:

@@ -1,4 +1,4 @@
-"""The ``kiln`` command: ``kiln plugins`` (and, as they land, ``serve``, ``bench``, ``chat``)."""
+"""The ``kiln`` command: ``plugins``, ``bench serve``, ``chat`` (and, as it lands, ``serve``)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_args(plugins)
     plugins.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plugins.set_defaults(func=cmd_plugins)
+    _add_bench_parser(sub)
+    _add_chat_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from kiln.benchmarks import serve as bench_serve
+
+    bench = sub.add_parser("bench", help="benchmark a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server and report throughput and latency",
+        description="Stream fixed-length requests (ignore_eos) to an OpenAI-compatible server "
+        "under a concurrency limit; report request and token throughput, TTFT, TPOT, ITL and "
+        "end-to-end latency (mean, median, p99) as `vllm bench serve` does.",
+    )
+    bench_serve.add_cli_args(serve)
+    serve.set_defaults(func=bench_serve.main)
+
+
+def _add_chat_parser(sub: argparse._SubParsersAction) -> None:
+    from kiln.entrypoints import chat
+
+    parser = sub.add_parser(
+        "chat",
+        help="chat in the terminal with a local model or a running server",
+        description="An interactive, streamed chat. /reset forgets the conversation, /exit leaves.",
+    )
+    chat.add_cli_args(parser)
+    parser.set_defaults(func=chat.main)
 
 
 def main(argv: list[str] | None = None) -> int:

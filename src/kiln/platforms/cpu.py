@@ -7,6 +7,7 @@ attention runs the CPU paged backend, and there is no graph capture.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,19 @@ if TYPE_CHECKING:
     from kiln.config import KilnConfig
 
 
+@dataclass(frozen=True)
+class CpuOptions:
+    """``--plugin-config '{"cpu": {...}}'``."""
+
+    num_threads: int | None = None
+    """Threads the model runs on (torch intra-op threads); default: every core this process may
+    use. Fewer can be faster when other processes compete for the cores."""
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"cpu.num_threads={self.num_threads} is invalid; allowed: >= 1")
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -25,6 +39,7 @@ class CpuPlatform(Platform):
     supported_dtypes = ("float32", "bfloat16", "float16")
     supported_quantization = ()
     supports_graph_capture = False
+    config_section = CpuOptions
 
     @classmethod
     def device_count(cls) -> int:
@@ -44,6 +59,16 @@ class CpuPlatform(Platform):
             pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
             total = pages * page_size
             return total // 2, total
+
+    @classmethod
+    def init_worker_process(cls, config: KilnConfig) -> None:
+        from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+
+        # A subclass platform may drop the section (config_section = None): then the defaults.
+        options = (
+            PLUGIN_CONFIG_REGISTRY.get(cls.name, config) if cls.config_section else CpuOptions()
+        )
+        torch.set_num_threads(options.num_threads or len(os.sched_getaffinity(0)))
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:

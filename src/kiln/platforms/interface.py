@@ -51,6 +51,10 @@ class Platform:
     """Weight quantization methods it can keep quantized in memory ("gguf", "fp8"...)."""
     supports_graph_capture: ClassVar[bool] = False
     """Whether ``graph_wrapper_cls`` captures graphs (False: it runs eagerly)."""
+    config_section: ClassVar[type | None] = None
+    """A frozen dataclass of the platform's own settings, filled from
+    ``--plugin-config '{"<platform name>": {...}}'`` (read them with
+    ``PLUGIN_CONFIG_REGISTRY.get(name, config)``)."""
 
     # -- device ---------------------------------------------------------------------------------
     @classmethod
@@ -87,6 +91,11 @@ class Platform:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
+
+    @classmethod
+    def init_worker_process(cls, config: KilnConfig) -> None:
+        """Called once in each worker process before the device is used: thread pools,
+        allocator settings, environment for the device runtime."""
 
     @classmethod
     @contextlib.contextmanager

@@ -179,6 +179,9 @@ class PluginManager:
                 f"{version}, but this Kiln provides API {PLATFORM_API_VERSION}: the major versions "
                 "differ; install a release of the plugin built for this Kiln"
             )
+        if platform_cls.config_section is not None:
+            with registering_as(record.name):
+                PLUGIN_CONFIG_REGISTRY.declare(record.name, platform_cls.config_section)
         record.status = "chosen"
         self.choice = PlatformChoice(record.name, record.detail, reason, platform_cls)
         self.phases.append("select")

@@ -27,14 +27,16 @@ MAX_DEFAULT_KV_CACHE_BYTES = 4 * GiB
 """Cap of the unconfigured default: host memory is shared with everything else on the machine."""
 
 
-def kv_cache_budget(kv_cache_memory: float | None, free_bytes: int) -> int:
-    """Bytes for the KV cache: ``kv_cache_memory`` GiB when > 1, that fraction of the free memory
-    when in (0, 1], else the default (``DEFAULT_KV_CACHE_FRACTION`` of free, at most 4 GiB)."""
-    if kv_cache_memory is None:
-        return int(min(free_bytes * DEFAULT_KV_CACHE_FRACTION, MAX_DEFAULT_KV_CACHE_BYTES))
-    if kv_cache_memory > 1:
+def kv_cache_budget(
+    kv_cache_memory: float | None, kv_cache_memory_fraction: float | None, free_bytes: int
+) -> int:
+    """Bytes for the KV cache: ``kv_cache_memory`` GiB, else that fraction of the free memory,
+    else the default (``DEFAULT_KV_CACHE_FRACTION`` of free, at most 4 GiB)."""
+    if kv_cache_memory is not None:
         return int(kv_cache_memory * GiB)
-    return int(free_bytes * kv_cache_memory)
+    if kv_cache_memory_fraction is not None:
+        return int(free_bytes * kv_cache_memory_fraction)
+    return int(min(free_bytes * DEFAULT_KV_CACHE_FRACTION, MAX_DEFAULT_KV_CACHE_BYTES))
 
 
 class Worker(WorkerBase):
@@ -51,6 +53,7 @@ class Worker(WorkerBase):
         self.model_runner: Any = None
 
     def init_device(self) -> None:
+        self.platform.init_worker_process(self.config)
         self.platform.set_device(self.device)
         self.platform.seed_everything(self.config.model.seed)
         if self.config.parallel.tensor_parallel_size > 1:
@@ -68,7 +71,8 @@ class Worker(WorkerBase):
 
     def determine_available_memory(self) -> int:
         free, _total = self.platform.mem_get_info(self.device)
-        return kv_cache_budget(self.config.cache.kv_cache_memory, free)
+        cache = self.config.cache
+        return kv_cache_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, free)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

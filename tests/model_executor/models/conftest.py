@@ -8,10 +8,8 @@ forward context, and computes logits for the last token of each request only.
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,43 +111,7 @@ class PagedRunner:
         return outputs
 
 
-def hf_greedy(hf_model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """``transformers`` greedy decoding with its own KV cache; the new token ids.
-
-    A plain loop rather than ``generate``: no generation-config processors (``generate`` would
-    stop at EOS, or with ``min_new_tokens`` mask EOS out, where Kiln's runner just continues).
-    """
-    # transformers 5 renamed past_key_values to cache.
-    cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else None
-    tokens: list[int] = []
-    with torch.inference_mode():
-        out = hf_model(torch.tensor([list(prompt)]), use_cache=True)
-        for _ in range(max_new_tokens):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            if len(tokens) == max_new_tokens:
-                break
-            cache = out.cache if cache_arg else out.past_key_values
-            out = hf_model(
-                torch.tensor([[tokens[-1]]]),
-                use_cache=True,
-                **{cache_arg or "past_key_values": cache},
-            )
-    return tokens
-
-
-def hf_logits(hf_model: torch.nn.Module, prompt: Sequence[int]) -> torch.Tensor:
-    """[vocab] float32 logits of the last prompt token."""
-    with torch.inference_mode():
-        return hf_model(torch.tensor([list(prompt)])).logits[0, -1].float()
-
-
 @pytest.fixture(scope="session")
 def paged_runner() -> type[PagedRunner]:
     """The ``PagedRunner`` class (fixtures, not imports, share helpers between test modules)."""
     return PagedRunner
-
-
-@pytest.fixture(scope="session")
-def hf_ref() -> SimpleNamespace:
-    """``transformers`` reference helpers: ``greedy(model, prompt, n)``, ``logits(model, ids)``."""
-    return SimpleNamespace(greedy=hf_greedy, logits=hf_logits)

@@ -9,12 +9,9 @@ layers that is ~1e-5 relative; logits of magnitude ~20 differ by well under 1e-3
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from kiln.model_executor.loader.default_model import default_model_path
 from kiln.model_executor.model_loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -31,40 +28,10 @@ NUM_GREEDY = 32
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def kiln_model(gguf_path: str) -> torch.nn.Module:
     model, config = load_model(gguf_path, torch.float32, "cpu")
     assert config["architectures"] == ["LlamaForCausalLM"]
     return model
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.split(gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    config._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
-    result = model.load_state_dict(tensors, strict=False, assign=True)
-    assert result.unexpected_keys == [] and set(result.missing_keys) <= {"lm_head.weight"}
-    model.tie_weights()
-    # Non-persistent buffers (rotary inv_freq) stayed on meta: rebuild them on the CPU.
-    rotary = model.model.rotary_emb
-    inv_freq, _ = rotary.compute_default_rope_parameters(config)
-    rotary.inv_freq = inv_freq
-    rotary.original_inv_freq = inv_freq.clone()
-    return model.eval()
 
 
 def test_prompt_logits_match_transformers(kiln_model, hf_model, paged_runner, hf_ref) -> None:

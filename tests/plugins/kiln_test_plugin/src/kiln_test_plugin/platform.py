@@ -11,6 +11,8 @@ from kiln.platforms.cpu import CpuPlatform
 class TestPlatform(CpuPlatform):
     name = "kiln_test"
     supported_dtypes = ("float32",)
+    # Its general plugin declares the "kiln_test" config section; the platform adds none.
+    config_section = None
 
     @classmethod
     def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:

@@ -1,0 +1,169 @@
+"""Request bodies of the OpenAI-compatible routes, as pydantic models with OpenAI's and vLLM's names.
+
+Contract: every model accepts unknown fields (``extra="allow"``: benchmark clients send fields we
+do not use; the server logs them once) and checks only types and simple ranges here; what depends
+on the model or the server (context length, vocabulary, ``max_logprobs``) is checked by the
+serving classes, and sampling ranges by ``SamplingParams``. A type error becomes an HTTP 400 with
+an OpenAI error body (see ``errors``), never FastAPI's 422.
+
+Responses are plain dicts built by the serving modules (so that which keys are present, and which
+are null, is exactly OpenAI's); their shapes are documented there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        """Fields the client sent that this model does not declare."""
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    """One last chunk with ``usage`` and ``choices: []`` before ``[DONE]``."""
+    continuous_usage_stats: bool | None = False
+    """``usage`` (so far) in every chunk (vLLM)."""
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields completions and chat share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+
+TokenIds = list[StrictInt]
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds] | None = None
+    """Text, texts, token ids (used exactly as given: no BOS is added) or lists of token ids."""
+    max_tokens: int | None = 16
+    """Tokens to generate; null means 16. 0 is allowed only with ``echo`` (prompt only)."""
+    logprobs: int | None = None
+    """Top logprobs per token (the sampled token's is always included)."""
+    echo: bool = False
+    """Prepend the prompt to the text (and, with ``logprobs``, its logprobs; the first is null)."""
+    suffix: str | None = None
+    best_of: int | None = None
+    # vLLM extras
+    add_special_tokens: bool = True
+    """Tokenize a text prompt with the model's BOS policy."""
+    prompt_logprobs: int | None = None
+    """Logprobs of each prompt token, in the choice's ``prompt_logprobs`` (vLLM)."""
+    return_token_ids: bool = False
+    """Add ``prompt_token_ids`` and ``token_ids`` to each choice (vLLM)."""
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of ``max_completion_tokens``; neither: the rest of the
+    context."""
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    """The chat template writes its own special tokens, so none are added by default."""
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize``: ``prompt`` (completion style) or ``messages`` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: True for ``prompt``, False for ``messages`` (as the two routes do)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "OpenAIBaseModel",
+    "ResponseFormat",
+    "StreamOptions",
+    "TokenizeRequest",
+]

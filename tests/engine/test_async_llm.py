@@ -1,0 +1,90 @@
+"""``AsyncLLM`` with the engine core in its own process: streaming, aborts, and a dead engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+
+import pytest
+
+from kiln.engine import EngineDeadError
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.plugins import init_process
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+async def _start() -> AsyncLLM:
+    config = init_process("api", EngineArgs(kv_cache_memory=0.25).create_config())
+    return await AsyncLLM.create(config, log_stats=False)
+
+
+def test_streamed_deltas_add_up_and_aborts_free_capacity():
+    async def main() -> None:
+        llm = await _start()
+        try:
+            delta = SamplingParams(
+                temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA
+            )
+            final = SamplingParams(temperature=0, max_tokens=12)
+
+            async def collect(params: SamplingParams, request_id: str) -> tuple[str, int]:
+                text, chunks = "", 0
+                async for output in llm.generate("Count: 1, 2,", params, request_id):
+                    text = (
+                        text + output.outputs[0].text if params is delta else output.outputs[0].text
+                    )
+                    chunks += 1
+                return text, chunks
+
+            (streamed, num_chunks), (whole, _) = await asyncio.gather(
+                collect(delta, "a"), collect(final, "b")
+            )
+            assert streamed == whole and num_chunks > 1
+
+            # Leaving the iterator early (closing it) aborts the request in the engine core.
+            long = SamplingParams(max_tokens=2000, ignore_eos=True)
+            async with contextlib.aclosing(llm.generate("Tell a long story.", long, "x")) as gen:
+                async for _ in gen:
+                    break
+            assert llm.num_unfinished_requests() == 0
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if llm.stats.totals.num_running == 0:
+                    break
+            assert llm.stats.totals.num_running == 0
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_killed_engine_core_fails_every_waiting_caller():
+    async def main() -> None:
+        llm = await _start()
+        try:
+            params = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+            async def drain(request_id: str) -> None:
+                async for _ in llm.generate("Tell me a story.", params, request_id):
+                    pass
+
+            tasks = [asyncio.ensure_future(drain(f"r{i}")) for i in range(3)]
+            await asyncio.sleep(1.0)
+            os.kill(llm.client.pid, signal.SIGKILL)
+            results = await asyncio.wait_for(
+                asyncio.gather(*tasks, return_exceptions=True), timeout=30
+            )
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert llm.is_dead
+            with pytest.raises(EngineDeadError):
+                async for _ in llm.generate("again", params, "late"):
+                    pass
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
