@@ -8,15 +8,12 @@ block tables are not contiguous. Prints each continuation, the timings, and whet
 
     .venv/bin/python examples/generate_smoke.py [--max-tokens 32] [--model PATH] [--no-compare]
 
-The reference model is built the way ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``
-builds it (transformers' own GGUF config and dequantization), without that call's dependency on
-``accelerate``.
+The reference is ``kiln.testing.reference`` (transformers' own GGUF config and dequantization).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -31,6 +28,7 @@ from kiln.model_executor.layers.attention import (
 )
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
+from kiln.testing.reference import hf_greedy, hf_model_from_gguf
 from kiln.tokenizer import load_tokenizer
 
 PROMPTS = ["The capital of France is", "Here is a short poem about the sea:\n"]
@@ -79,32 +77,6 @@ class MiniRunner:
         for i, tokens in enumerate(new_tokens):
             self.num_computed[i] += len(tokens)
         return logits
-
-
-def transformers_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    model.eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        tokens: list[int] = []
-        cache = None
-        for _ in range(max_tokens):
-            kwargs = {"cache": cache} if cache is not None else {}
-            out = model(ids, use_cache=True, **kwargs)
-            cache = out.cache
-            tokens.append(int(out.logits[0, -1].argmax()))
-            ids = torch.tensor([[tokens[-1]]])
-        outputs.append(tokens)
-    return outputs
 
 
 def main() -> int:
@@ -159,7 +131,8 @@ def main() -> int:
 
     if args.no_compare:
         return 0
-    reference = transformers_greedy(path, prompts, args.max_tokens)
+    hf_model = hf_model_from_gguf(path)
+    reference = [hf_greedy(hf_model, prompt, args.max_tokens) for prompt in prompts]
     ok = True
     for i, (ours, ref) in enumerate(zip(outputs, reference, strict=True)):
         match = ours == ref

@@ -23,8 +23,9 @@ class CpuOptions:
     """``--plugin-config '{"cpu": {...}}'``."""
 
     num_threads: int | None = None
-    """Threads the model runs on (torch intra-op threads); default: every core this process may
-    use. Fewer can be faster when other processes compete for the cores."""
+    """Threads the model runs on (torch intra-op threads). Default: every core this process may
+    use, less one when an API server runs beside the engine (``kiln serve``): a thread whose core
+    is taken by another process stalls every parallel op of the step."""
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -68,11 +69,19 @@ class CpuPlatform(Platform):
         options = (
             PLUGIN_CONFIG_REGISTRY.get(cls.name, config) if cls.config_section else CpuOptions()
         )
-        torch.set_num_threads(options.num_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(options.num_threads or default_num_threads())
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
         return "kiln.model_executor.layers.attention.backends.cpu.CPUAttentionBackend"
+
+
+def default_num_threads() -> int:
+    """Usable cores, less one for the API server when this is ``kiln serve``'s engine process."""
+    from kiln.plugins.manager import get_plugin_manager
+
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1) if get_plugin_manager().role == "engine" else cores
 
 
 def cpu_platform_plugin() -> str | None:

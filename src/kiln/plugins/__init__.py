@@ -30,6 +30,7 @@ def init_process(role: str, config: KilnConfig) -> KilnConfig:
     if role not in ROLES:
         raise ValueError(f"role={role!r} is invalid; allowed: {list(ROLES)}")
     manager = get_plugin_manager()
+    manager.role = role
     manager.discover()
     manager.select_platform(config.device.platform)
     manager.load_general_plugins()

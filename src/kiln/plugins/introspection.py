@@ -100,6 +100,7 @@ def build_report(
     return _jsonable(
         {
             "pid": os.getpid(),
+            "role": manager.role,
             "core_platform_api_version": PLATFORM_API_VERSION,
             "phases": manager.phases,
             "platform": platform,

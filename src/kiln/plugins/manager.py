@@ -62,6 +62,8 @@ class PluginManager:
     resolved_classes: dict[str, str] = field(default_factory=dict)
     patches: PatchRegistry = field(default_factory=lambda: PATCH_REGISTRY)
     phases: list[str] = field(default_factory=list)
+    role: str | None = None
+    """What this process is: api, engine (beside an API server), worker or offline."""
 
     # -- phase 1: discover ------------------------------------------------------------------------
     def discover(self) -> None:
