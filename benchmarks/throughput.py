@@ -32,11 +32,14 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(num)]
 
 
-def bench_kiln(prompts: list[list[int]], output_len: int, args: argparse.Namespace) -> float:
+def bench_kiln(
+    prompts: list[list[int]], output_len: int, args: argparse.Namespace
+) -> tuple[float, str]:
     llm = LLM(
         max_num_seqs=len(prompts),
         kv_cache_memory=1,
         max_num_batched_tokens=2048,
+        dtype=args.dtype,
         plugin_config={"cpu": {"num_threads": args.threads}} if args.threads else None,
     )
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -47,7 +50,7 @@ def bench_kiln(prompts: list[list[int]], output_len: int, args: argparse.Namespa
     assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
     if args.profile:
         profile_decode(llm, prompts, output_len)
-    return len(prompts) * output_len / elapsed
+    return len(prompts) * output_len / elapsed, llm.llm_engine.config.model.dtype
 
 
 def profile_decode(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
@@ -71,8 +74,8 @@ def profile_decode(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
     engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
 
 
-def bench_transformers(prompts: list[list[int]], output_len: int) -> float:
-    model = hf_model_from_gguf(default_model_path())
+def bench_transformers(prompts: list[list[int]], output_len: int, dtype: str) -> float:
+    model = hf_model_from_gguf(default_model_path(), getattr(torch, dtype))
     model.config._attn_implementation = "sdpa"
     input_ids = torch.tensor(prompts)
     with torch.inference_mode():
@@ -97,6 +100,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both engines)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", default="auto", help="compute dtype of both engines (auto: Kiln's platform pick)"
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
@@ -105,13 +111,14 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
     shape = f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out"
     print(f"{shape}, {threads} threads")
-    kiln_tps = bench_kiln(prompts, args.output_len, args)
-    print(f"kiln:         {kiln_tps:8.1f} output tokens/s")
+    kiln_tps, kiln_dtype = bench_kiln(prompts, args.output_len, args)
+    print(f"kiln ({kiln_dtype}):         {kiln_tps:8.1f} output tokens/s")
     if args.skip_transformers:
         return
     torch.set_num_threads(threads)
-    hf_tps = bench_transformers(prompts, args.output_len)
-    print(f"transformers: {hf_tps:8.1f} output tokens/s")
+    hf_dtype = args.dtype if args.dtype != "auto" else kiln_dtype
+    hf_tps = bench_transformers(prompts, args.output_len, hf_dtype)
+    print(f"transformers ({hf_dtype}): {hf_tps:8.1f} output tokens/s")
     print(f"ratio (kiln / transformers): {kiln_tps / hf_tps:.2f}x")
 
 

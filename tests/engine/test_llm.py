@@ -20,7 +20,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory=0.25, max_num_seqs=8)
+    # float32: compared token for token with transformers in float32.
+    return LLM(kv_cache_memory=0.25, max_num_seqs=8, dtype="float32")
 
 
 def test_greedy_generate_matches_transformers(llm, hf_model, hf_ref):
@@ -36,7 +37,7 @@ def test_greedy_generate_matches_transformers(llm, hf_model, hf_ref):
 
 def test_preemption_by_a_tiny_kv_cache_gives_the_same_text(llm):
     # 26 usable blocks of 16 tokens; 8 requests that each grow to 4 blocks cannot all fit.
-    small = LLM(kv_cache_memory=27 * 16 * 46080 / 2**30, max_num_seqs=8)
+    small = LLM(kv_cache_memory=27 * 16 * 46080 / 2**30, max_num_seqs=8, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [f"{p} Number {i}." for i, p in enumerate(PROMPTS * 2)]
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -36,7 +36,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
-    # float32 first: without native bf16 on most CPUs, fp32 matmuls are the fastest here.
+    # dtype="auto" is resolved in check_and_update_config: bfloat16 where the CPU has native bf16.
     supported_dtypes = ("float32", "bfloat16", "float16")
     supported_quantization = ()
     supports_graph_capture = False
@@ -62,6 +62,15 @@ class CpuPlatform(Platform):
             return total // 2, total
 
     @classmethod
+    def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
+        if config.model.dtype == "auto":
+            # bf16 matmuls run ~4x faster than fp32 where the CPU has bf16 instructions; elsewhere
+            # they are emulated and slower, so fp32 stays the default there.
+            fast_bf16 = "bfloat16" in cls.supported_dtypes and has_native_bf16()
+            config = config.replace(model__dtype="bfloat16" if fast_bf16 else "float32")
+        return super().check_and_update_config(config)
+
+    @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:
         from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 
@@ -74,6 +83,19 @@ class CpuPlatform(Platform):
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
         return "kiln.model_executor.layers.attention.backends.cpu.CPUAttentionBackend"
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), per /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    except OSError:
+        pass
+    return False
 
 
 def default_num_threads() -> int:
