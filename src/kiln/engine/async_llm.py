@@ -14,8 +14,8 @@ and hands each output to its request's queue. If the engine core dies, every wai
 from __future__ import annotations
 
 import asyncio
-import logging
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 
 from kiln.config import KilnConfig
@@ -156,7 +156,9 @@ class AsyncLLM:
     def is_queue_full(self) -> bool:
         """Whether ``scheduler.max_num_waiting`` requests already wait (a new one is refused)."""
         limit = self.config.scheduler.max_num_waiting
-        return limit is not None and self.stats.totals.num_waiting + self._num_unscheduled() >= limit
+        return (
+            limit is not None and self.stats.totals.num_waiting + self._num_unscheduled() >= limit
+        )
 
     def _num_unscheduled(self) -> int:
         # Requests sent since the scheduler's last report: count them as waiting.

@@ -24,12 +24,13 @@ import msgspec
 import zmq
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineCoreOutputs, EngineCoreRequest
+from kiln.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
 READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
+IDLE_POLL_MS = 1000
 
 
 class ReadyMessage(msgspec.Struct):
@@ -93,18 +94,23 @@ def run_engine_core(
 def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    parent = os.getppid()
     while True:
-        # Block while idle; otherwise only take what is already queued.
-        timeout = 0 if engine.has_unfinished_requests() else None
-        while poller.poll(timeout):
+        # Wait while idle (waking each second to notice a parent that died without telling us,
+        # e.g. SIGKILL); otherwise only take what is already queued.
+        if not engine.has_unfinished_requests():
+            while not poller.poll(IDLE_POLL_MS):
+                if os.getppid() != parent:
+                    logger.warning("the API server (pid %d) is gone; engine core exits", parent)
+                    return
+        while poller.poll(0):
             kind, payload = inputs.recv_multipart()
             if kind == ADD:
-                engine.add_request(_request_decoder.decode(payload))
+                _add_request(engine, _request_decoder.decode(payload), outputs)
             elif kind == ABORT:
                 engine.abort_requests(_abort_decoder.decode(payload))
             elif kind == SHUTDOWN:
                 return
-            timeout = 0
         try:
             step_outputs = engine.step()
         except Exception:
@@ -115,3 +121,17 @@ def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             raise
         if step_outputs.outputs or step_outputs.scheduler_stats is not None:
             outputs.send_multipart([OUTPUTS, encoder.encode(step_outputs)])
+
+
+def _add_request(engine: Any, request: EngineCoreRequest, outputs: zmq.Socket) -> None:
+    """Queue ``request``; one the scheduler refuses finishes at once with an error, instead of
+    taking the engine down (the front end validates first, so this is a guard)."""
+    try:
+        engine.add_request(request)
+    except ValueError as exc:
+        logger.error("request %s refused: %s", request.request_id, exc)
+        refused = EngineCoreOutput(
+            request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc)
+        )
+        result = EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic())
+        outputs.send_multipart([OUTPUTS, encoder.encode(result)])

@@ -1,4 +1,4 @@
-"""The ``kiln`` command: ``plugins``, ``bench serve``, ``chat`` (and, as it lands, ``serve``)."""
+"""The ``kiln`` command: ``plugins``, ``serve``, ``bench serve``, ``chat``."""
 
 from __future__ import annotations
 
@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln", description="Kiln: an LLM serving engine with pluggable hardware."
     )
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="Python logging level (default: INFO for serve, WARNING otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser(
         "plugins",
@@ -69,9 +73,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_args(plugins)
     plugins.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plugins.set_defaults(func=cmd_plugins)
+    _add_serve_parser(sub)
     _add_bench_parser(sub)
     _add_chat_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from kiln.entrypoints.openai.cli_args import add_server_args
+
+    parser = sub.add_parser(
+        "serve",
+        help="serve a model with an OpenAI-compatible API",
+        description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over HTTP with "
+        "OpenAI's /v1/completions and /v1/chat/completions, plus /health, /metrics, /tokenize, "
+        "/detokenize, /version and /debug/plugins. Flags follow `vllm serve`.",
+    )
+    add_server_args(parser)
+    parser.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kiln.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -104,7 +129,8 @@ def _add_chat_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

@@ -21,7 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from kiln.engine import EngineDeadError
+from kiln.engine.async_llm import QueueFullError
+
 logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
 
 _TYPES = {
     400: "BadRequestError",
@@ -88,6 +93,24 @@ def sse_error(error: OpenAIError) -> bytes:
     return b"data: " + msgspec.json.encode(error.to_dict()) + b"\n\n"
 
 
+def to_openai_error(exc: BaseException) -> OpenAIError:
+    """The error answer for an exception raised while serving a request."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(
+            f"The server is overloaded ({exc}); retry later.",
+            503,
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"The engine is not running: {exc}", 503)
+    if isinstance(exc, ValueError):
+        return bad_request(exc)
+    logger.error("request failed", exc_info=exc)
+    return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
 _LEADING_NAME = re.compile(r"^'?([a-z_]+)")
 
 
@@ -131,12 +154,13 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        error = OpenAIError(str(exc.detail), exc.status_code, headers=exc.headers)
+        headers = dict(exc.headers) if exc.headers else None
+        error = OpenAIError(str(exc.detail), exc.status_code, headers=headers)
         return error_response(error)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this response is sent, and uvicorn logs the traceback.
         return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
 
 
@@ -147,4 +171,5 @@ __all__ = [
     "error_response",
     "install_exception_handlers",
     "sse_error",
+    "to_openai_error",
 ]

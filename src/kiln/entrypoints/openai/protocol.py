@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible routes, as pydantic models with OpenAI's and vLLM's names.
+"""Request bodies of the OpenAI-compatible routes: pydantic models with OpenAI's and vLLM's names.
 
 Contract: every model accepts unknown fields (``extra="allow"``: benchmark clients send fields we
 do not use; the server logs them once) and checks only types and simple ranges here; what depends

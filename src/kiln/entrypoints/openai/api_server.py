@@ -1,0 +1,298 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, API-key check, and the process lifecycle.
+
+Lifecycle (``run_server``): run the plugin lifecycle for the API process, bind the port (not yet
+listening, so it stays closed while the model loads), start the engine core in its own process,
+print the banner, then serve with uvicorn. On SIGTERM or SIGINT: stop accepting connections,
+answer new requests 503, let in-flight requests finish for up to ``--shutdown-timeout`` seconds,
+abort the rest (their responses end with finish_reason ``"abort"``), stop the engine process and
+exit 0. A second signal skips the wait.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
+/health`` (200, or 503 when the engine is dead or the server is shutting down), ``GET /metrics``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /debug/plugins``. With
+``--api-key``, only ``/v1/*`` needs the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import kiln
+from kiln.config import KilnConfig
+from kiln.engine import EngineDeadError
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
+from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kiln.entrypoints.openai.serving_chat import OpenAIServingChat
+from kiln.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kiln.entrypoints.openai.serving_engine import ServerState
+from kiln.entrypoints.openai.serving_models import OpenAIServingModels, OpenAIServingTokenization
+from kiln.model_executor.loader import resolve_model_ref
+
+logger = logging.getLogger("kiln.server")
+
+
+class APIKeyMiddleware:
+    """Answers 401 to a ``/v1/*`` request without ``Authorization: Bearer <one of the keys>``."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+        self.app = app
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not any(hmac.compare_digest(given, key) for key in self.expected):
+                error = OpenAIError(
+                    "Unauthorized: send a valid API key as `Authorization: Bearer <key>`.", 401
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _json(body: Any) -> Response:
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def build_app(state: ServerState, api_keys: Sequence[str] | None = None) -> FastAPI:
+    """The FastAPI app serving ``state``'s engine."""
+    app = FastAPI(title="Kiln", version=kiln.__version__)
+    install_exception_handlers(app)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
+    completion = OpenAIServingCompletion(state)
+    chat = OpenAIServingChat(state)
+    models = OpenAIServingModels(state)
+    tokenization = OpenAIServingTokenization(state)
+    metrics = ServerMetrics(state.llm.stats, state.model_name)
+    app.state.kiln = state
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+        return await completion.create(request, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(request, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return _json(models.list_models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.llm.is_dead or state.draining:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return _json(tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _json(tokenization.detokenize(request))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": kiln.__version__})
+
+    @app.get("/debug/plugins")
+    async def debug_plugins() -> Response:
+        from kiln.plugins.introspection import build_report
+        from kiln.plugins.manager import get_plugin_manager
+
+        return _json(build_report(get_plugin_manager(), state.llm.config))
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with Kiln's shutdown: drain in-flight requests, then abort them, then exit 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.loop = asyncio.get_running_loop()
+        self.drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # ``serve`` routes SIGINT/SIGTERM to ``handle_exit`` through the event loop from before
+        # uvicorn starts until the engine is stopped; uvicorn's own handlers would also re-raise
+        # the signal after serving, killing the process before the engine is stopped.
+        yield
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: stop accepting and drain; second: stop waiting and abort everything."""
+        if self.should_exit:
+            self.force_exit = True
+            self.loop.call_soon_threadsafe(self.abort_all)
+            return
+        self.should_exit = True
+        self.loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, signal_name: str) -> None:
+        self.state.draining = True
+        self.drain_task = asyncio.ensure_future(self._drain(signal_name))
+
+    async def _drain(self, signal_name: str) -> None:
+        active = self.state.active_request_ids
+        if active:
+            logger.info(
+                "%s: waiting up to %.0f s for %d request(s) to finish",
+                signal_name,
+                self.shutdown_timeout,
+                len(active),
+            )
+        deadline = self.loop.time() + self.shutdown_timeout
+        while active and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.abort_all()
+
+    def abort_all(self) -> None:
+        ids = list(self.state.active_request_ids)
+        if ids:
+            logger.warning("aborting %d request(s) still running", len(ids))
+        for request_id in ids:
+            asyncio.ensure_future(self.state.llm.abort(request_id))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(False)
+    return sock
+
+
+def _banner(llm: AsyncLLM, state: ServerState, url: str, api_keys: Sequence[str] | None) -> str:
+    ready = llm.client.ready
+    assert ready is not None
+    block_size = llm.config.cache.block_size
+    concurrency = ready.kv_cache_tokens / llm.max_model_len
+    return "\n".join(
+        [
+            f"Kiln {kiln.__version__} is serving {state.model_name}",
+            f"  model      {state.model_path}",
+            f"  platform   {ready.platform} (engine core pid {ready.pid})",
+            f"  KV cache   {ready.kv_cache_tokens:,} tokens ({ready.num_blocks:,} blocks of "
+            f"{block_size}); max_model_len {llm.max_model_len:,}, so {concurrency:.2f}x "
+            "concurrency at full length",
+            f"  URL        {url}  (OpenAI API: {url}/v1{', API key required' if api_keys else ''})",
+        ]
+    )
+
+
+async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socket) -> int:
+    """Start the engine, serve until a signal, shut down. Returns the exit status."""
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:  # while the model loads, a signal stops the start cleanly
+        loop.add_signal_handler(sig, main_task.cancel)
+    try:
+        log_level = logging.getLogger().getEffectiveLevel()
+        try:
+            llm = await AsyncLLM.create(config, log_level, log_stats=not args.disable_log_stats)
+        except asyncio.CancelledError:
+            logger.warning("interrupted while starting")
+            return 1
+        except EngineDeadError as exc:
+            logger.error("%s", exc)
+            return 1
+        try:
+            state = ServerState(llm, llm.model_name, resolve_model_ref(config.model.model))
+            shutdown_timeout = max(0.0, args.shutdown_timeout)
+            server = _Server(
+                uvicorn.Config(
+                    build_app(state, args.api_key),
+                    log_level=args.uvicorn_log_level,
+                    lifespan="off",
+                    timeout_graceful_shutdown=shutdown_timeout + 5,
+                    timeout_keep_alive=5,
+                ),
+                state,
+                shutdown_timeout,
+            )
+            # From here a signal drains (see _Server.capture_signals).
+            for sig in signals:
+                loop.add_signal_handler(sig, server.handle_exit, sig, None)
+            host, port = sock.getsockname()[:2]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            print(_banner(llm, state, url, args.api_key), flush=True)
+            await server.serve(sockets=[sock])
+            if server.drain_task is not None and not server.drain_task.done():
+                server.drain_task.cancel()
+            server.abort_all()
+            await asyncio.sleep(0)  # let the aborts go out
+        finally:
+            llm.shutdown()
+            logger.info("server stopped")
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``kiln serve``: returns the process exit status."""
+    from kiln.plugins import init_process
+
+    try:
+        config = init_process("api", EngineArgs.from_cli_args(args).create_config())
+    except ValueError as exc:
+        print(f"kiln serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"kiln serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _run(serve(args, config, sock))
+    finally:
+        sock.close()
+
+
+def _run(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+__all__ = ["build_app", "run_server", "serve"]

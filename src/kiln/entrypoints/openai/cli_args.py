@@ -1,0 +1,49 @@
+"""The flags of ``kiln serve``: the engine's (``EngineArgs.add_cli_args``, vLLM's names) plus the
+server's. Importing this module is cheap (no FastAPI), so ``kiln --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+
+from kiln.engine.arg_utils import EngineArgs
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+"""Below Kubernetes' default 30 s grace period, so in-flight requests end before a SIGKILL."""
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Add every flag of ``kiln serve`` to ``parser``."""
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/* (may be given several times)",
+    )
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="do not log engine throughput and queue statistics every 10 s",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before they are aborted "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=UVICORN_LOG_LEVELS,
+        help="log level of uvicorn (info logs each request)",
+    )
+
+
+__all__ = ["add_server_args"]

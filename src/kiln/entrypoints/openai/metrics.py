@@ -1,0 +1,164 @@
+"""``GET /metrics``: Prometheus metrics with vLLM's names under ``kiln:``.
+
+Gauges and counters are read from the engine's ``StatsTotals`` at scrape time (so they cannot
+drift from what the engine logs); histograms are fed by a ``StatsRecorder`` listener, one
+observation per first token, per inter-token gap and per finished request. Every series has the
+labels ``model_name`` (the served name) and ``engine`` ("0"), as vLLM's.
+
+Exported: ``kiln:num_requests_running``, ``kiln:num_requests_waiting``,
+``kiln:kv_cache_usage_perc`` (0..1), ``kiln:prompt_tokens_total``, ``kiln:generation_tokens_total``,
+``kiln:num_preemptions_total``, ``kiln:prefix_cache_queries_total``,
+``kiln:prefix_cache_hits_total``, ``kiln:request_success_total{finished_reason}``, and the
+histograms ``kiln:time_to_first_token_seconds``, ``kiln:inter_token_latency_seconds``,
+``kiln:e2e_request_latency_seconds``, ``kiln:request_prompt_tokens``,
+``kiln:request_generation_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kiln.engine import SchedulerStats
+from kiln.engine.output_processor import IterationStats
+from kiln.engine.stats import StatsRecorder, StatsTotals
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Always exported (at 0 until a request finishes so), so dashboards see every series."""
+
+
+class _TotalsCollector(Collector):
+    """Gauges and counters straight from ``StatsTotals``."""
+
+    def __init__(self, totals: StatsTotals, labels: dict[str, str]) -> None:
+        self.totals = totals
+        self.names = list(labels)
+        self.values = list(labels.values())
+
+    def _gauge(self, name: str, doc: str, value: float) -> Metric:
+        metric = GaugeMetricFamily(name, doc, labels=self.names)
+        metric.add_metric(self.values, value)
+        return metric
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        metric = CounterMetricFamily(name, doc, labels=self.names)
+        metric.add_metric(self.values, value)
+        return metric
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.totals
+        yield self._gauge(
+            "kiln:num_requests_running", "Requests in the running batch.", t.num_running
+        )
+        yield self._gauge("kiln:num_requests_waiting", "Requests waiting to run.", t.num_waiting)
+        yield self._gauge(
+            "kiln:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0..1).",
+            t.kv_cache_usage,
+        )
+        yield self._counter("kiln:prompt_tokens", "Prompt tokens processed.", t.prompt_tokens)
+        yield self._counter(
+            "kiln:generation_tokens", "Generation tokens produced.", t.generation_tokens
+        )
+        yield self._counter("kiln:num_preemptions", "Preemptions (KV cache full).", t.preemptions)
+        yield self._counter(
+            "kiln:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            t.prefix_cache_queries,
+        )
+        yield self._counter(
+            "kiln:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            t.prefix_cache_hits,
+        )
+        success = CounterMetricFamily(
+            "kiln:request_success",
+            "Finished requests, by finish reason.",
+            labels=[*self.names, "finished_reason"],
+        )
+        counts = {reason: 0 for reason in FINISH_REASONS} | t.finished_by_reason
+        for reason, count in sorted(counts.items()):
+            success.add_metric([*self.values, reason], count)
+        yield success
+
+
+class ServerMetrics:
+    """The ``/metrics`` registry of one server.
+
+    Args:
+        stats: the engine's ``StatsRecorder`` (this registers a listener on it).
+        model_name: the ``model_name`` label.
+    """
+
+    def __init__(self, stats: StatsRecorder, model_name: str) -> None:
+        disable_created_metrics()  # no ``*_created`` series (as vLLM)
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name, "engine": "0"}
+        self.registry.register(_TotalsCollector(stats.totals, labels))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                name, doc, list(labels), buckets=buckets, registry=self.registry
+            ).labels(**labels)
+
+        self.ttft = histogram(
+            "kiln:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "kiln:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "kiln:e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS
+        )
+        self.prompt_tokens = histogram(
+            "kiln:request_prompt_tokens", "Prompt tokens of finished requests.", TOKEN_BUCKETS
+        )
+        self.generation_tokens = histogram(
+            "kiln:request_generation_tokens",
+            "Generation tokens of finished requests.",
+            TOKEN_BUCKETS,
+        )
+        stats.add_listener(self.observe)
+
+    def observe(self, _: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        if iteration is None:
+            return
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in iteration.finished_requests:
+            self.e2e.observe(finished.e2e_latency)
+            self.prompt_tokens.observe(finished.num_prompt_tokens)
+            self.generation_tokens.observe(finished.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]

@@ -1,0 +1,253 @@
+"""``POST /v1/chat/completions``, shaped as OpenAI's (with vLLM's ``stop_reason``).
+
+Response (non-streaming)::
+
+    {"id": "chatcmpl-...", "object": "chat.completion", "created", "model",
+     "choices": [{"index", "message": {"role": "assistant", "content"}, "logprobs",
+                  "finish_reason", "stop_reason"}, ...],
+     "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
+
+``logprobs`` is null or ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
+Streaming sends ``chat.completion.chunk`` s: first, per choice, a delta with the role
+(``{"role": "assistant", "content": ""}``), then deltas with ``content``, the last one of each
+choice carrying its ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
+``choices: []`` and ``usage``; then ``data: [DONE]``.
+
+Tool calling and structured output are not implemented: a request that needs them (``tool_choice``
+other than ``none``, ``response_format`` ``json_schema``) is a 400; ``json_object`` is accepted
+but not enforced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest
+from kiln.entrypoints.openai.serving_engine import OpenAIServing, clamp, usage
+from kiln.entrypoints.openai.streams import sse
+from kiln.outputs import PositionLogprobs, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChat(OpenAIServing):
+    request_fields = frozenset(ChatCompletionRequest.model_fields)
+
+    async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(request.model)
+        self.note_unknown_fields(request)
+        self._check_unsupported(request)
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        top_logprobs = request.top_logprobs or 0
+        if top_logprobs < 0:
+            raise OpenAIError("`top_logprobs` must be a positive value.", param="top_logprobs")
+        if top_logprobs > 0 and not request.logprobs:
+            raise OpenAIError(
+                "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+            )
+        params = self.sampling_params(
+            request,
+            max_tokens=max_tokens,
+            logprobs=top_logprobs if request.logprobs else None,
+        )
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools is not None:
+            template_kwargs.setdefault("tools", request.tools)
+        prompt = self.render_chat(
+            request.messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=request.add_special_tokens,
+            chat_template=request.chat_template,
+            chat_template_kwargs=template_kwargs,
+        )
+        request_id = self.make_request_id("chatcmpl", request, raw)
+        self.check_length(len(prompt.token_ids), max_tokens)
+        self.validate(request_id, prompt, params)
+        self.check_ready()
+        ids, outputs = self.generate(request_id, [prompt], params, request.priority)
+        run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs)
+        if request.stream:
+            return self.stream(ids, run.stream(outputs))
+        return await self.respond(raw, ids, run.collect(outputs))
+
+    def _check_unsupported(self, request: ChatCompletionRequest) -> None:
+        choice = request.tool_choice
+        if choice is not None and choice != "none":
+            raise OpenAIError(
+                f"tool_choice={choice!r} is not supported: this server does not parse tool "
+                "calls; use tool_choice='none'",
+                param="tool_choice",
+            )
+        response_format = request.response_format
+        if response_format is not None and response_format.type == "json_schema":
+            schema = response_format.json_schema
+            if not schema or "schema" not in schema:
+                raise OpenAIError(
+                    "response_format json_schema needs a json_schema with a schema",
+                    param="response_format",
+                )
+            raise OpenAIError(
+                "response_format json_schema is not supported: this server has no structured "
+                "output backend",
+                param="response_format",
+            )
+        if response_format is not None and response_format.type == "json_object":
+            if "response_format" not in self.state.warned_fields:
+                self.state.warned_fields.add("response_format")
+                logger.warning("response_format json_object is accepted but not enforced")
+
+
+class _ChatRun:
+    """One chat request in flight: turns engine outputs into the response or its chunks."""
+
+    def __init__(
+        self,
+        serving: OpenAIServingChat,
+        request: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        top_logprobs: int,
+    ) -> None:
+        self.serving = serving
+        self.request = request
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.top_logprobs = top_logprobs
+        self.created = int(time.time())
+        n = request.n
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.num_tokens = [0] * n
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.stop_reasons: list[int | str | None] = [None] * n
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.serving.state.model_name,
+            "choices": choices,
+        }
+
+    def _usage(self) -> dict[str, int]:
+        return usage(self.num_prompt_tokens, sum(self.num_tokens))
+
+    def _logprobs(
+        self, token_ids: list[int], positions: list[PositionLogprobs]
+    ) -> list[dict[str, Any]]:
+        serving = self.serving
+        content = []
+        for token_id, position in zip(token_ids, positions, strict=True):
+            token = serving.logprob_token(token_id, position)
+            ranked = sorted(
+                (lp.rank, t)
+                for t, lp in position.items()
+                if lp.rank and lp.rank <= self.top_logprobs
+            )
+            top = []
+            for _, t in ranked:
+                text = serving.logprob_token(t, position)
+                top.append(
+                    {
+                        "token": text,
+                        "logprob": clamp(position[t].logprob),
+                        "bytes": list(text.encode("utf-8")),
+                    }
+                )
+            content.append(
+                {
+                    "token": token,
+                    "logprob": clamp(position[token_id].logprob),
+                    "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": top,
+                }
+            )
+        return content
+
+    def _take(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """Fold one delta into the choices; returns the delta choices to stream."""
+        choices = []
+        for completion in output.outputs:
+            i = completion.index
+            self.texts[i].append(completion.text)
+            self.num_tokens[i] += len(completion.token_ids)
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = self._logprobs(completion.token_ids, completion.logprobs)
+                self.logprobs[i].extend(logprobs)
+            finish_reason = completion.finish_reason
+            if finish_reason is not None:
+                self.finish_reasons[i] = finish_reason
+                self.stop_reasons[i] = completion.stop_reason
+            elif not completion.text and not completion.token_ids:
+                continue
+            choices.append(
+                {
+                    "index": i,
+                    "delta": {"content": completion.text}
+                    if completion.text or finish_reason is None
+                    else {},
+                    "logprobs": None if logprobs is None else {"content": logprobs},
+                    "finish_reason": finish_reason,
+                    "stop_reason": completion.stop_reason if finish_reason else None,
+                }
+            )
+        return choices
+
+    async def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[bytes]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            data = self._chunk([choice])
+            if include_usage:
+                data["usage"] = self._usage() if continuous else None
+            return sse(data)
+
+        for i in range(self.request.n):
+            role = {"role": "assistant", "content": ""}
+            yield chunk({"index": i, "delta": role, "logprobs": None, "finish_reason": None})
+        async for _, output in outputs:
+            for choice in self._take(output):
+                yield chunk(choice)
+        if include_usage:
+            yield sse({**self._chunk([]), "usage": self._usage()})
+
+    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
+        async for _, output in outputs:
+            self._take(output)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(self.texts[i])},
+                "logprobs": None if not self.request.logprobs else {"content": self.logprobs[i]},
+                "finish_reason": self.finish_reasons[i],
+                "stop_reason": self.stop_reasons[i],
+            }
+            for i in range(self.request.n)
+        ]
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.serving.state.model_name,
+            "choices": choices,
+            "usage": self._usage(),
+        }
+
+
+__all__ = ["OpenAIServingChat"]

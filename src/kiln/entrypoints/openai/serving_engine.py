@@ -1,0 +1,339 @@
+"""What the completion and chat routes share: model and readiness checks, tokenization and length
+checks with vLLM's messages, sampling params from a request, validation before anything runs,
+starting the prompts' generators, and the JSON or SSE response (see ``streams``).
+
+Contract: a request is checked completely before the engine sees it (so a bad request is a 4xx
+even with ``stream: true``, before any byte of the stream); then each prompt runs as one
+``AsyncLLM.generate`` with ``RequestOutputKind.DELTA``. A client that disconnects cancels its
+generators, which aborts the requests in the engine core and frees their KV blocks (streaming:
+Starlette cancels the stream when the client disconnects; non-streaming:
+``streams.run_or_abort`` watches the connection).
+
+What it must not know: the engine's internals (it talks to ``AsyncLLM`` and its ``Frontend``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kiln.engine.async_llm import AsyncLLM, QueueFullError
+from kiln.entrypoints.openai.errors import OpenAIError, bad_request, to_openai_error
+from kiln.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel
+from kiln.entrypoints.openai.streams import merge_async_iterators, run_or_abort, sse_events
+from kiln.outputs import PositionLogprobs, RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MIN_LOGPROB = -9999.0
+"""Logprobs are clamped here (as vLLM), so -inf never reaches JSON."""
+
+
+@dataclass
+class ServerState:
+    """What the routes of one server share."""
+
+    llm: AsyncLLM
+    model_name: str
+    """The name clients send in ``model`` (``--served-model-name`` or the model's)."""
+    model_path: str
+    """Where the weights come from (``root`` in ``/v1/models``)."""
+    draining: bool = False
+    """Shutting down: new generation requests get 503."""
+    active_request_ids: set[str] = field(default_factory=set)
+    """Engine request ids of the generation requests in flight (aborted at shutdown)."""
+    warned_fields: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Prompt:
+    """One prompt, tokenized: ``text`` is None for a token-id prompt until ``echo`` decodes it."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+    def for_engine(self) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids}
+        if self.text is not None:
+            prompt["prompt"] = self.text
+        return prompt
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def _cut_after_final_message(text: str, final: ChatMessage) -> str:
+    """``continue_final_message``: the rendered text up to the end of the last message's content
+    (dropping the end-of-turn the template wrote), so the model continues that message."""
+    content = final.content
+    if isinstance(content, list):
+        content = "\n".join(str(part.get("text", "")) for part in content)
+    for needle in (content or "", (content or "").strip()):
+        index = text.rfind(needle) if needle else -1
+        if index >= 0:
+            return text[: index + len(needle)]
+    raise OpenAIError(
+        "continue_final_message: the final message's content is not in the rendered template",
+        param="messages",
+    )
+
+
+class OpenAIServing:
+    """The base of the serving classes (one per route family)."""
+
+    request_fields: frozenset[str] = frozenset()
+    """Request fields a ``ValueError`` message may name (they become the error's ``param``)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.llm = state.llm
+        self.frontend = state.llm.frontend
+        self.tokenizer = self.frontend.tokenizer
+        self.max_model_len = self.frontend.max_model_len
+        self._token_texts: dict[int, str] = {}
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        """Raises a 404 ``OpenAIError`` when ``model`` is given and is not the served model."""
+        if model is not None and model != self.state.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
+
+    def check_ready(self) -> None:
+        """Raises a 503 ``OpenAIError`` when the server cannot take a generation request now."""
+        if self.state.draining:
+            raise OpenAIError("The server is shutting down.", 503)
+        if self.llm.is_dead:
+            raise OpenAIError("The engine is not running; see the server log.", 503)
+        if self.llm.is_queue_full():
+            raise to_openai_error(QueueFullError("the waiting queue is full"))
+
+    def note_unknown_fields(self, request: OpenAIBaseModel) -> None:
+        """Unknown fields are accepted; each name is logged once."""
+        new = [name for name in request.unknown_fields() if name not in self.state.warned_fields]
+        if new:
+            self.state.warned_fields.update(new)
+            logger.warning("ignoring request field(s) this server does not use: %s", new)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises a 400 with vLLM's messages when the prompt, or prompt plus ``max_tokens``, does
+        not fit the context."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
+                "messages.",
+                param="messages" if "messages" in self.request_fields else "prompt",
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
+                f"{num_prompt_tokens}).",
+                param="max_tokens",
+            )
+
+    def check_token_ids(self, token_ids: list[int], where: str, param: str = "prompt") -> None:
+        vocab_size = self.frontend.input_processor.vocab_size
+        for position, token_id in enumerate(token_ids):
+            if token_id < 0:
+                raise OpenAIError(
+                    f"token id {token_id} at position {position} of {where} must be greater "
+                    "than or equal to 0",
+                    param=param,
+                )
+            if vocab_size is not None and token_id >= vocab_size:
+                raise OpenAIError(
+                    f"token id {token_id} at position {position} of {where} is out of "
+                    f"vocabulary (vocab_size={vocab_size})",
+                    param=param,
+                )
+
+    # -- building requests ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        add_special_tokens: bool,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
+        """The conversation rendered with the chat template, and tokenized.
+
+        Raises:
+            OpenAIError: 400 when the template rejects the messages, or the result is empty.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise OpenAIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        try:
+            text = self.frontend.render_chat(
+                [message.model_dump() for message in messages],
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1])
+        token_ids = self.encode(text, add_special_tokens)
+        if not token_ids:
+            raise OpenAIError("the rendered conversation is empty", param="messages")
+        return Prompt(token_ids, text)
+
+    def sampling_params(
+        self,
+        request: Any,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """SamplingParams from the fields completions and chat share.
+
+        Raises:
+            OpenAIError: 400 for any value ``SamplingParams`` rejects.
+        """
+        logit_bias = None
+        if request.logit_bias:
+            # vLLM clamps to OpenAI's range instead of refusing.
+            logit_bias = {k: min(100.0, max(-100.0, v)) for k, v in request.logit_bias.items()}
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if request.repetition_penalty is None else request.repetition_penalty
+                ),
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=logit_bias,  # type: ignore[arg-type]
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except ValueError as exc:
+            raise bad_request(exc, self.request_fields) from None
+
+    def validate(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Everything the engine would refuse, refused now (a 400 before any byte is sent)."""
+        try:
+            self.frontend.input_processor.process(request_id, prompt.for_engine(), params)
+        except ValueError as exc:
+            raise bad_request(exc, self.request_fields) from None
+
+    @staticmethod
+    def make_request_id(prefix: str, request: Any, raw: Request) -> str:
+        given = request.request_id or raw.headers.get("x-request-id")
+        return f"{prefix}-{given or uuid.uuid4().hex}"
+
+    # -- running --------------------------------------------------------------------------------
+
+    def generate(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int
+    ) -> tuple[list[str], AsyncIterator[tuple[int, RequestOutput]]]:
+        """The engine request ids and the merged outputs (``(prompt index, output)``) of
+        ``prompts``. Nothing runs until the iterator is iterated."""
+        ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
+        generators = [
+            self.llm.generate(prompt.for_engine(), params, rid, priority)
+            for rid, prompt in zip(ids, prompts, strict=True)
+        ]
+        return ids, merge_async_iterators(generators)
+
+    @contextlib.contextmanager
+    def tracked(self, request_ids: list[str]) -> Iterator[None]:
+        """Count the requests as in flight (shutdown waits for them, then aborts them)."""
+        self.state.active_request_ids.update(request_ids)
+        try:
+            yield
+        finally:
+            self.state.active_request_ids.difference_update(request_ids)
+
+    async def respond(self, raw: Request, request_ids: list[str], work: Awaitable[Any]) -> Response:
+        """The JSON response of a non-streaming generation (aborted if the client leaves)."""
+        with self.tracked(request_ids):
+            try:
+                body = await run_or_abort(raw, work)
+            except Exception as exc:
+                raise to_openai_error(exc) from exc
+        if body is None:
+            return Response(status_code=499)  # nobody is listening
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    def stream(self, request_ids: list[str], chunks: AsyncIterator[bytes]) -> StreamingResponse:
+        """An SSE response: the events of ``chunks``, an error event if they fail, then
+        ``data: [DONE]``."""
+
+        async def events() -> AsyncIterator[bytes]:
+            with self.tracked(request_ids):
+                async for event in sse_events(chunks):
+                    yield event
+
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    # -- logprobs -------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
+
+    def logprob_token(self, token_id: int, position: PositionLogprobs) -> str:
+        decoded = position[token_id].decoded_token
+        return self.token_text(token_id) if decoded is None else decoded
+
+
+__all__ = ["OpenAIServing", "Prompt", "ServerState", "clamp", "usage"]

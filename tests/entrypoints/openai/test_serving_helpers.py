@@ -1,0 +1,96 @@
+"""The server's pieces that need no model: SSE error framing, merging prompt streams, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kiln.engine import EngineDeadError
+from kiln.engine.async_llm import QueueFullError
+from kiln.entrypoints.openai.errors import OpenAIError, bad_request, to_openai_error
+from kiln.entrypoints.openai.streams import merge_async_iterators, sse, sse_events
+
+
+async def _collect(iterator: AsyncIterator) -> list:
+    return [item async for item in iterator]
+
+
+def test_sse_events_error_mid_stream_then_done() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield sse({"n": 1})
+        raise EngineDeadError("boom")
+
+    events = asyncio.run(_collect(sse_events(chunks())))
+    assert events[0] == b'data: {"n":1}\n\n'
+    error = json.loads(events[1].removeprefix(b"data: "))["error"]
+    assert error["code"] == 503 and "boom" in error["message"]
+    assert events[2] == b"data: [DONE]\n\n" and len(events) == 3
+
+
+def test_sse_events_ends_with_done() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield sse({"n": 1})
+
+    assert asyncio.run(_collect(sse_events(chunks())))[-1] == b"data: [DONE]\n\n"
+
+
+def test_merge_interleaves_and_tags_by_index() -> None:
+    async def ticks(name: str, delay: float, count: int) -> AsyncIterator[str]:
+        for i in range(count):
+            await asyncio.sleep(delay)
+            yield f"{name}{i}"
+
+    merged = asyncio.run(
+        _collect(merge_async_iterators([ticks("a", 0.03, 2), ticks("b", 0.01, 3)]))
+    )
+    assert sorted(merged) == [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1"), (1, "b2")]
+    assert merged[0] == (1, "b0")  # the faster stream comes first
+
+
+def test_closing_the_merge_cancels_the_streams() -> None:
+    closed: list[int] = []
+
+    async def forever(index: int) -> AsyncIterator[int]:
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield index
+        finally:
+            closed.append(index)
+
+    async def main() -> None:
+        merged = merge_async_iterators([forever(0), forever(1)])
+        await anext(merged)
+        await merged.aclose()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert sorted(closed) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (ValueError("temperature must be >= 0, got -1"), 400),
+        (QueueFullError("full"), 503),
+        (EngineDeadError("dead"), 503),
+        (RuntimeError("bug"), 500),
+        (OpenAIError("nope", 404), 404),
+    ],
+)
+def test_to_openai_error(exc: BaseException, status: int) -> None:
+    error = to_openai_error(exc)
+    assert error.status_code == status
+    body = error.to_dict()["error"]
+    assert body["code"] == status and set(body) == {"message", "type", "param", "code"}
+    if status == 503 and isinstance(exc, QueueFullError):
+        assert error.headers == {"Retry-After": "1"}
+
+
+def test_bad_request_names_the_field() -> None:
+    error = bad_request(ValueError("top_p must be in (0, 1], got 0"), {"top_p"})
+    assert error.param == "top_p" and error.status_code == 400
+    assert bad_request(ValueError("something else"), {"top_p"}).param is None
