@@ -36,10 +36,12 @@ def test_greedy_generate_matches_transformers(llm, hf_model, hf_ref):
 
 
 def test_preemption_by_a_tiny_kv_cache_gives_the_same_text(llm):
-    # 26 usable blocks of 16 tokens; 8 requests that each grow to 4 blocks cannot all fit.
-    small = LLM(kv_cache_memory=27 * 16 * 46080 / 2**30, max_num_seqs=8, dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 19 usable blocks of 16 tokens; 8 requests that each grow to 4 blocks cannot all fit.
+    small = LLM(kv_cache_memory=20 * 16 * 46080 / 2**30, max_num_seqs=8, dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
     prompts = [f"{p} Number {i}." for i, p in enumerate(PROMPTS * 2)]
+    params = [greedy, seeded, seeded, seeded] * 2  # seeded ones replay their draws when resumed
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].text for o in small.generate(prompts, params, use_tqdm=False)]
     assert got == expected

@@ -80,8 +80,17 @@ class InputBatch:
         if len(tokens) > self.token_ids.shape[1]:
             raise ValueError(f"request {new.req_id} has {len(tokens)} tokens > max_model_len")
         row = self.num_reqs
+        self._sampling_cache = None  # a resumed request may reuse an id with fresh state
         params = new.sampling_params
-        generator = make_generator(params.seed, self.device) if params.seed is not None else None
+        generator = None
+        if params.seed is not None:
+            generator = make_generator(params.seed, self.device)
+            # Resumed after preemption: replay the draws of the tokens it already sampled (one
+            # Exp(1) row of the vocabulary's width per token, as the sampler draws), so a seed
+            # gives the same tokens whether or not the request was preempted.
+            noise = torch.empty(self.vocab_size, device=self.device)
+            for _ in new.output_token_ids:
+                noise.exponential_(generator=generator)
         state = CachedRequestState(
             new.req_id,
             new.prompt_token_ids,
@@ -105,6 +114,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return
+        self._sampling_cache = None
         last = self.num_reqs - 1
         if row != last:
             moved = self.req_ids[last]
@@ -135,7 +145,7 @@ class InputBatch:
         self.requests[row].output_token_ids.append(token_id)
 
     def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
-        """Sampling metadata for ``rows`` in that order, rebuilt only when the rows change."""
+        """Sampling metadata for ``rows`` in that order, rebuilt only when the batch changes."""
         key = tuple(self.req_ids[row] for row in rows)
         if self._sampling_cache is not None and self._sampling_cache[0] == key:
             return self._sampling_cache[1]
