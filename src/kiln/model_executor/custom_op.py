@@ -112,6 +112,10 @@ class OpRegistry:
 
         return decorator
 
+    def implemented_ops(self) -> list[str]:
+        """Names that have at least one implementation registered (defined as ops or not)."""
+        return [op for op, impls in self._impls.items() if impls]
+
     def implementations(self, op: str, device_type: str | None = None) -> list[OpImpl]:
         """``op``'s implementations (for ``device_type`` if given), highest priority first."""
         impls = [

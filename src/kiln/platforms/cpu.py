@@ -71,6 +71,12 @@ class CpuPlatform(Platform):
         return super().check_and_update_config(config)
 
     @classmethod
+    def register_ops(cls) -> None:
+        from kiln.platforms.cpu_ops import register_cpu_ops
+
+        register_cpu_ops()
+
+    @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:
         from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 

@@ -93,6 +93,11 @@ class Platform:
         torch.manual_seed(seed)
 
     @classmethod
+    def register_ops(cls) -> None:
+        """Register the platform's custom-op implementations (``register_impl``). Runs once per
+        process, in the register phase, after the general plugins."""
+
+    @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:
         """Called once in each worker process before the device is used: thread pools,
         allocator settings, environment for the device runtime."""

@@ -219,6 +219,10 @@ class PluginManager:
             unknown = allow - {r.name for r in self.general_records}
             if unknown:
                 logger.warning("KILN_PLUGINS names plugins that are not installed: %s", unknown)
+        choice = self.choice
+        if choice is not None:
+            with registering_as(choice.name):
+                choice.platform_cls.register_ops()
         self.phases.append("register")
         self.patches.apply("platform")
 

@@ -117,8 +117,20 @@ def check_ops(platform: str) -> dict[str, Any]:
     from kiln.platforms import current_platform
 
     _init(platform)
+    _import_builtin_layers()
     device = current_platform.get_device()
     results = []
+    unknown = set(OP_REGISTRY.implemented_ops()) - set(OP_REGISTRY.ops.names())
+    for name in sorted(unknown):
+        results.append(
+            {
+                "op": name,
+                "provider": "*",
+                "status": "unknown-op",
+                "checked": 0,
+                "detail": "implementations registered for an op nobody defines",
+            }
+        )
     for name, op_cls in OP_REGISTRY.ops.items():
         impls = OP_REGISTRY.implementations(name, current_platform.device_type)
         if not impls:
@@ -153,6 +165,18 @@ def check_ops(platform: str) -> dict[str, Any]:
                 }
             )
     return {"device_type": current_platform.device_type, "results": results}
+
+
+def _import_builtin_layers() -> None:
+    """Import Kiln's layer modules, so every built-in op is registered (models import them
+    lazily, and a check process builds no model)."""
+    import importlib
+    import pkgutil
+
+    import kiln.model_executor.layers as layers
+
+    for module in pkgutil.walk_packages(layers.__path__, layers.__name__ + "."):
+        importlib.import_module(module.name)
 
 
 def _clone(value: Any) -> Any:
