@@ -233,3 +233,15 @@ def test_the_chosen_platform_declares_its_own_config_section():
     rc, report = plugin_report(plugin_config='{"cpu": {"num_threads": 0}}')
     assert rc == 1
     assert "cpu.num_threads=0 is invalid" in report["error"]
+
+
+def test_the_platform_registers_its_op_implementations_under_its_name():
+    from kiln.platforms.cpu_ops import onednn_bf16_available
+
+    if not onednn_bf16_available():
+        pytest.skip("oneDNN has no bf16 on this CPU")
+    rc, report = plugin_report()
+    assert rc == 0
+    impls = {(i["op"], i["provider"]): i["plugin"] for i in report["op_implementations"]}
+    assert impls[("linear", "onednn")] == "cpu"
+    assert impls[("logits_processor", "onednn")] == "cpu"

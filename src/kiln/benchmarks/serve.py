@@ -31,7 +31,7 @@ from kiln.benchmarks.metrics import (
     calculate_metrics,
     format_metrics,
 )
-from kiln.benchmarks.prompts import Prompt, make_prompts
+from kiln.benchmarks.prompts import CountTokens, Prompt, make_prompts
 
 if TYPE_CHECKING:
     import httpx
@@ -128,7 +128,7 @@ async def wait_for_models(client: httpx.AsyncClient, cfg: BenchConfig) -> list[s
             await asyncio.sleep(1.0)
 
 
-def token_counter(client: httpx.AsyncClient, cfg: BenchConfig, model: str):
+def token_counter(client: httpx.AsyncClient, cfg: BenchConfig, model: str) -> CountTokens:
     """A ``count_tokens`` for ``make_prompts`` backed by the server's ``POST /tokenize``.
 
     Completions prompts are counted as the server will tokenize them (with special tokens such
@@ -265,13 +265,17 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         model = cfg.model or (models[0] if models else None)
         if model is None:
             raise BenchmarkError(f"{cfg.root}/v1/models lists no model; pass --model")
-        count_tokens = token_counter(client, cfg, model)
-        if await count_tokens("hello") is None:
-            count_tokens = None  # no /tokenize: one word stands for one token
-        prompts = await make_prompts(cfg.num_prompts, cfg.input_len, cfg.seed, count_tokens)
+        counter = token_counter(client, cfg, model)
+        # No /tokenize: one word stands for one token.
+        count_tokens = counter if await counter("hello") is not None else None
+        # Warm-ups get prompts of their own: a measured prompt seen before would hit the
+        # server's prefix cache.
+        prompts = await make_prompts(
+            cfg.num_prompts + cfg.num_warmups, cfg.input_len, cfg.seed, count_tokens
+        )
+        warmups, prompts = prompts[cfg.num_prompts :], prompts[: cfg.num_prompts]
 
-        for i in range(cfg.num_warmups):
-            prompt = prompts[i % len(prompts)]
+        for prompt in warmups:
             warm = await send_request(
                 client, cfg, request_body(cfg, model, prompt.text, cfg.output_len), 0
             )

