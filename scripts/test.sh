@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Install Kiln with its test dependencies and the test plugin into .venv, then run the tests.
+# Install Kiln with its test dependencies and the test plugin into .venv, check lint and format,
+# then run the tests.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/plugins -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh --test
+# Lint and formatting first: cheap, and a failure names the line.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"
