@@ -5,6 +5,8 @@ PLATFORM`` prints one JSON object on its last line.
   ``register()`` again, snapshot again; the snapshots must be equal and nothing may raise.
 - ``ops``: run every op implementation registered for the platform's device type on the op's
   examples and compare with ``forward_native``.
+- ``greedy``: greedy tokens of the default model (float32) for a few prompts, through ``LLM`` on
+  the platform; the kit compares them with the same run on the reference cpu platform.
 """
 
 from __future__ import annotations
@@ -190,7 +192,24 @@ def _clone(value: Any) -> Any:
     return value
 
 
-CHECKS = {"idempotence": check_idempotence, "ops": check_ops}
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colors are"]
+GREEDY_TOKENS = 16
+
+
+def check_greedy(platform: str) -> dict[str, Any]:
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(platform=platform, dtype="float32", kv_cache_memory=0.25, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outputs = llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)
+    return {
+        "platform": platform,
+        "tokens": [o.outputs[0].token_ids for o in outputs],
+        "texts": [o.outputs[0].text for o in outputs],
+    }
+
+
+CHECKS = {"idempotence": check_idempotence, "ops": check_ops, "greedy": check_greedy}
 
 if __name__ == "__main__":
     name, platform = sys.argv[1], sys.argv[2]

@@ -23,6 +23,7 @@ __all__ = [
     "test_named_classes_implement_interfaces",
     "test_registration_is_idempotent",
     "test_op_implementations_match_native",
+    "test_greedy_tokens_match_the_reference_platform",
 ]
 
 
@@ -75,3 +76,13 @@ def test_op_implementations_match_native(kiln_platform: str, kiln_platform_env: 
     result = run_check("ops", kiln_platform, kiln_platform_env)
     bad = [r for r in result["results"] if r["status"] in ("mismatch", "unknown-op")]
     assert not bad, "\n".join(f"{r['op']}[{r['provider']}]: {r['detail']}" for r in bad)
+
+
+def test_greedy_tokens_match_the_reference_platform(
+    kiln_platform: str, kiln_platform_env: dict
+) -> None:
+    """The default model, float32, greedy: the same tokens as on Kiln's reference cpu platform."""
+    got = run_check("greedy", kiln_platform, kiln_platform_env)
+    want = run_check("greedy", "cpu")
+    for text, tokens, ref_tokens in zip(got["texts"], got["tokens"], want["tokens"], strict=True):
+        assert tokens == ref_tokens, f"{kiln_platform} generated {text!r}"

@@ -1,87 +1,36 @@
-"""Classes the test platform names. They implement Kiln's interfaces just enough to be resolved
-and checked; they are fixtures for the plugin system, not an engine."""
+"""Classes the test platform names: Kiln's own worker, runner and scheduler under the plugin's
+names (so the platform really runs models), and communicators that fail the interface check on
+purpose."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from kiln.config import KilnConfig
-from kiln.core.sched.interface import SchedulerInterface
+from kiln.core.sched.scheduler import Scheduler
 from kiln.distributed.communicator import TorchDistCommunicator
 from kiln.worker.graph import EagerGraphWrapper
-from kiln.worker.worker_base import ModelRunnerBase, WorkerBase
+from kiln.worker.model_runner import ModelRunner
+from kiln.worker.worker import Worker
 
 
-class TestModelRunner(ModelRunnerBase):
-    def __init__(self, config: KilnConfig, device: torch.device) -> None:
-        self.config, self.device = config, device
+class TestModelRunner(ModelRunner):
+    """Kiln's model runner under the plugin's own name (a real platform would specialise it)."""
 
-    def load_model(self) -> None:
-        raise NotImplementedError("the test platform runs no model")
 
-    def get_kv_cache_bytes_per_block(self) -> int:
-        return 0
+class TestWorker(Worker):
+    """Kiln's worker, counting the steps it runs."""
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        raise NotImplementedError("the test platform runs no model")
+    steps = 0
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        raise NotImplementedError("the test platform runs no model")
+        type(self).steps += 1
+        return super().execute_model(scheduler_output)
 
 
-class TestWorker(WorkerBase):
-    def __init__(
-        self, config: KilnConfig, local_rank: int, rank: int, distributed_init_method: str
-    ) -> None:
-        self.config = config
-
-    def init_device(self) -> None: ...
-
-    def load_model(self) -> None:
-        raise NotImplementedError("the test platform runs no model")
-
-    def determine_available_memory(self) -> int:
-        return 0
-
-    def get_kv_cache_bytes_per_block(self) -> int:
-        return 0
-
-    def get_max_model_len(self) -> int:
-        return 0
-
-    def initialize_cache(self, num_blocks: int) -> None: ...
-
-    def compile_or_warm_up_model(self) -> None: ...
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        raise NotImplementedError("the test platform runs no model")
-
-    def shutdown(self) -> None: ...
-
-
-class TestScheduler(SchedulerInterface):
-    def __init__(self, config: KilnConfig, num_blocks: int) -> None:
-        self.requests: list[Any] = []
-
-    def add_request(self, request: Any) -> None:
-        self.requests.append(request)
-
-    def schedule(self) -> Any:
-        return None
-
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        return {}
-
-    def finish_requests(self, request_ids: Iterable[str], finished_status: Any) -> None: ...
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+class TestScheduler(Scheduler):
+    """Kiln's scheduler under the plugin's own name."""
 
 
 class LoggingCommunicator(TorchDistCommunicator):
