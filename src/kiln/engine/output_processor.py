@@ -103,7 +103,23 @@ def make_position_logprobs(
     return positions
 
 
-class ParentRequest:
+class _SendsPromptLogprobsOnce:
+    """DELTA outputs carry the prompt logprobs once, in the first output that has them."""
+
+    output_kind: RequestOutputKind
+    _prompt_logprobs_sent: bool
+
+    def _prompt_logprobs_once(
+        self, prompt_logprobs: PromptLogprobs | None
+    ) -> PromptLogprobs | None:
+        if self.output_kind == RequestOutputKind.DELTA and prompt_logprobs is not None:
+            if self._prompt_logprobs_sent:
+                return None
+            self._prompt_logprobs_sent = True
+        return prompt_logprobs
+
+
+class ParentRequest(_SendsPromptLogprobsOnce):
     """Gathers the ``n`` child requests of one ``n > 1`` request into one ``RequestOutput``.
 
     Children are engine-core requests with ids ``f"{index}_{request_id}"`` (see
@@ -155,10 +171,7 @@ class ParentRequest:
         prompt_logprobs = next(
             (c.prompt_logprobs for c in self._children if c.prompt_logprobs is not None), None
         )
-        if self.output_kind == RequestOutputKind.DELTA and prompt_logprobs is not None:
-            if self._prompt_logprobs_sent:
-                prompt_logprobs = None
-            self._prompt_logprobs_sent = True
+        prompt_logprobs = self._prompt_logprobs_once(prompt_logprobs)
         return RequestOutput(
             request_id=self.request_id,
             prompt=first.prompt,
@@ -184,7 +197,7 @@ def _merge_metrics(metrics: list[RequestMetrics], finished: bool) -> RequestMetr
     )
 
 
-class _RequestState:
+class _RequestState(_SendsPromptLogprobsOnce):
     """One engine-core request as the front end tracks it."""
 
     def __init__(
@@ -260,11 +273,7 @@ class _RequestState:
         )
 
     def make_request_output(self, completion: CompletionOutput, finished: bool) -> RequestOutput:
-        prompt_logprobs = self.prompt_logprobs
-        if self.output_kind == RequestOutputKind.DELTA and prompt_logprobs is not None:
-            if self._prompt_logprobs_sent:
-                prompt_logprobs = None
-            self._prompt_logprobs_sent = True
+        prompt_logprobs = self._prompt_logprobs_once(self.prompt_logprobs)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -107,8 +107,8 @@ class ModelRunner(ModelRunnerBase):
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         rows = [
-            batch.req_id_to_index[req_id]
-            for req_id in batch.req_ids
+            row
+            for row, req_id in enumerate(batch.req_ids)
             if scheduler_output.num_scheduled_tokens.get(req_id, 0) > 0
         ]
         num_scheduled = np.array(
@@ -230,6 +230,8 @@ class ModelRunner(ModelRunnerBase):
         batch = self.input_batch
         assert batch is not None
         result: dict[str, LogprobsLists | None] = {}
+        if not any(batch.requests[row].sampling_params.prompt_logprobs is not None for row in rows):
+            return result  # the common case: no per-step work
         starts = common.query_start_loc.tolist()
         for i, row in enumerate(rows):
             state = batch.requests[row]
