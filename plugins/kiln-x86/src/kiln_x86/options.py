@@ -1,0 +1,71 @@
+"""The x86 platform's config section, ``--plugin-config '{"x86": {...}}'``.
+
+Contract: ``X86Options`` is a frozen dataclass whose every field has a default; ``__post_init__``
+rejects values that are wrong on any machine (a ``ValueError`` naming the field and what is
+allowed). Whether the named cores exist here is checked when a worker starts
+(``kiln_x86.binding.plan_binding``). ``parse_cpu_list`` reads Linux's list syntax ("0-3,8").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CPUS_AUTO = "auto"
+CPUS_NONE = "none"
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, no duplicates).
+
+    Raises:
+        ValueError: not a comma-separated list of core ids and ``a-b`` ranges with ``a <= b``.
+    """
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{text!r} is not a core list like '0-3,8'")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{text!r} has a descending range {part.strip()!r}")
+        cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+@dataclass(frozen=True)
+class X86Options:
+    """``--plugin-config '{"x86": {...}}'``: where the model's threads run."""
+
+    num_threads: int | None = None
+    """Threads the model runs on (torch intra-op threads). Default: one per core of ``cpus``."""
+    cpus: str = CPUS_AUTO
+    """Cores the model's threads are pinned to, one thread per core, in Linux list syntax
+    (``"0-3,8"``). ``"auto"``: the cores this process may use, less ``reserved_cpus`` when an API
+    server runs beside the engine; ``"none"``: no pinning (the OS schedules the threads)."""
+    reserved_cpus: int | None = None
+    """Cores kept for ``kiln serve``'s API server, which is pinned to them (the model's threads are
+    not). Default: 0 on machines with fewer than 4 usable cores (measured on 2 cores: the model
+    gains more from both cores than the API server loses), else 1."""
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"x86.num_threads={self.num_threads} is invalid; allowed: >= 1")
+        if self.reserved_cpus is not None and self.reserved_cpus < 0:
+            raise ValueError(f"x86.reserved_cpus={self.reserved_cpus} is invalid; allowed: >= 0")
+        if self.cpus in (CPUS_AUTO, CPUS_NONE):
+            return
+        try:
+            cpus = parse_cpu_list(self.cpus)
+        except ValueError as exc:
+            raise ValueError(
+                f"x86.cpus={self.cpus!r} is invalid ({exc}); allowed: 'auto', 'none' or a core "
+                "list like '0-3,8'"
+            ) from None
+        if self.num_threads is not None and self.num_threads > len(cpus):
+            raise ValueError(
+                f"x86.num_threads={self.num_threads} exceeds the {len(cpus)} core(s) of "
+                f"x86.cpus={self.cpus!r}; allowed: 1..{len(cpus)} (one thread per core)"
+            )
+
+
+__all__ = ["CPUS_AUTO", "CPUS_NONE", "X86Options", "parse_cpu_list"]

@@ -1,0 +1,89 @@
+"""The x86 platform: Kiln's CPU platform with a worker that owns its cores and fused kernels.
+
+``X86Platform`` extends the reference ``kiln.platforms.cpu.CpuPlatform`` (memory, dtype choice,
+oneDNN bf16 matmuls, the CPU paged-attention backend) through the public Platform hooks only:
+
+- ``device_info``: the instruction sets found in /proc/cpuinfo (shown by ``kiln plugins``);
+- ``init_process``: in ``kiln serve``'s API server, pins it to the reserved cores, if any;
+- ``init_worker_process``: sizes torch's thread pool and pins each model thread to its core
+  (``kiln_x86.binding``), per the ``x86`` config section (``kiln_x86.options.X86Options``);
+- ``register_ops``: the reference platform's ops, then the fused x86 ones (``kiln_x86.ops``),
+  registered for device type ``cpu`` only in processes where this platform was selected, so the
+  reference ``--platform cpu`` never runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from kiln.platforms.cpu import CpuPlatform
+from kiln_x86.binding import (
+    USABLE_CPUS_ENV,
+    format_cpu_list,
+    pin_model_threads,
+    pin_process,
+    plan_binding,
+    usable_cpus,
+)
+from kiln_x86.cpuinfo import cpu_features
+from kiln_x86.options import X86Options
+
+if TYPE_CHECKING:
+    from kiln.config import KilnConfig
+
+logger = logging.getLogger(__name__)
+
+
+class X86Platform(CpuPlatform):
+    name = "x86"
+    device_type = "cpu"
+    config_section = X86Options
+
+    @classmethod
+    def device_info(cls) -> dict[str, Any]:
+        features = cpu_features()
+        return {
+            "isa": [name for name, present in features.items() if present],
+            "cores": format_cpu_list(usable_cpus()),
+        }
+
+    @classmethod
+    def options(cls, config: KilnConfig) -> X86Options:
+        from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+
+        return PLUGIN_CONFIG_REGISTRY.get(cls.name, config)
+
+    @classmethod
+    def init_process(cls, role: str, config: KilnConfig) -> None:
+        plan = plan_binding(cls.options(config), role, usable_cpus())  # validates the section
+        if role != "api" or not plan.api_cpus:
+            return
+        # The engine process inherits this process's affinity: tell it what was usable first.
+        os.environ.setdefault(USABLE_CPUS_ENV, format_cpu_list(usable_cpus()))
+        pin_process(plan.api_cpus)
+        logger.info("x86: API server pinned to core(s) %s", format_cpu_list(plan.api_cpus))
+
+    @classmethod
+    def init_worker_process(cls, config: KilnConfig) -> None:
+        import torch
+
+        from kiln.plugins.manager import get_plugin_manager
+
+        role = get_plugin_manager().role
+        plan = plan_binding(cls.options(config), role, usable_cpus())
+        if plan.model_cpus is None:
+            torch.set_num_threads(plan.num_threads)
+            logger.info("x86: model on %d unpinned thread(s)", plan.num_threads)
+            return
+        pin_model_threads(plan.model_cpus, pin_caller=role != "offline")
+        logger.info(
+            "x86: model on %d thread(s) pinned to core(s) %s",
+            plan.num_threads,
+            format_cpu_list(plan.model_cpus),
+        )
+
+    @classmethod
+    def register_ops(cls) -> None:
+        super().register_ops()
