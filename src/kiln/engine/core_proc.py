@@ -9,10 +9,17 @@ goes out in ``EngineCoreOutputs.error`` and the process exits: the front end the
 waiting caller with ``EngineDeadError``.
 
 The loop blocks on the input socket while idle (no busy polling) and drains it between steps.
+
+The API server is this process's parent. If it dies without a word (SIGKILL, OOM), this process
+notices within about a second in any state, idle or busy, exits, and removes the socket directory
+the parent made: the parent is checked on every step and while idle, and a send never blocks
+longer than a poll interval (a dead peer stops reading, and a full queue would otherwise block
+forever).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +38,7 @@ logger = logging.getLogger(__name__)
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
 READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
 IDLE_POLL_MS = 1000
+SEND_POLL_MS = 1000
 
 
 class ReadyMessage(msgspec.Struct):
@@ -45,6 +53,46 @@ class StartupError(msgspec.Struct):
     error: str
 
 
+class ParentGone(Exception):
+    """The API server that started this process has died."""
+
+
+class _Parent:
+    """The API server process, as seen from here: its pid at start, and whether it still lives
+    (an orphan is re-parented, so ``getppid`` changes)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getppid()
+
+    def check(self) -> None:
+        """Raises ``ParentGone`` when the parent has died."""
+        if os.getppid() != self.pid:
+            raise ParentGone(f"the API server (pid {self.pid}) is gone")
+
+
+def _send(socket: zmq.Socket, frames: list[bytes], parent: _Parent) -> None:
+    """Send ``frames``, waiting for room in the queue a poll interval at a time and checking the
+    parent in between, so a dead reader cannot block this process forever.
+
+    Raises:
+        ParentGone: the parent died while the queue was full.
+    """
+    while not socket.poll(SEND_POLL_MS, zmq.POLLOUT):
+        parent.check()
+    socket.send_multipart(frames, flags=zmq.NOBLOCK)
+
+
+def _remove_ipc_dir(*addresses: str) -> None:
+    """Remove the sockets' files and the directory holding them (the dead parent cannot)."""
+    paths = [a.removeprefix("ipc://") for a in addresses if a.startswith("ipc://")]
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for directory in {os.path.dirname(path) for path in paths}:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
 encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
@@ -57,6 +105,7 @@ def run_engine_core(
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # SIGTERM/SIGINT go to the API server, which shuts this process down over the socket.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = _Parent()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_addr)
@@ -82,31 +131,36 @@ def run_engine_core(
         outputs.close(linger=2000)
         ctx.term()
         raise SystemExit(1) from None
+    orphaned = False
     try:
-        _loop(engine, inputs, outputs)
+        _loop(engine, inputs, outputs, parent)
+    except ParentGone as exc:
+        logger.warning("%s; engine core exits", exc)
+        orphaned = True
     finally:
         engine.shutdown()
         inputs.close(linger=0)
-        outputs.close(linger=2000)
+        outputs.close(linger=0 if orphaned else 2000)
         ctx.term()
+        if orphaned:
+            _remove_ipc_dir(input_addr, output_addr)
 
 
-def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent: _Parent) -> None:
+    """Serve until ``shutdown``. Raises ``ParentGone`` when the API server dies."""
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    parent = os.getppid()
     while True:
         # Wait while idle (waking each second to notice a parent that died without telling us,
-        # e.g. SIGKILL); otherwise only take what is already queued.
+        # e.g. SIGKILL); otherwise check it once per step and take only what is already queued.
         if not engine.has_unfinished_requests():
             while not poller.poll(IDLE_POLL_MS):
-                if os.getppid() != parent:
-                    logger.warning("the API server (pid %d) is gone; engine core exits", parent)
-                    return
+                parent.check()
+        parent.check()
         while poller.poll(0):
             kind, payload = inputs.recv_multipart()
             if kind == ADD:
-                _add_request(engine, _request_decoder.decode(payload), outputs)
+                _add_request(engine, _request_decoder.decode(payload), outputs, parent)
             elif kind == ABORT:
                 engine.abort_requests(_abort_decoder.decode(payload))
             elif kind == SHUTDOWN:
@@ -117,13 +171,15 @@ def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             error = traceback.format_exc()
             logger.error("engine core step failed:\n%s", error)
             failed = EngineCoreOutputs(error=error, timestamp=time.monotonic())
-            outputs.send_multipart([OUTPUTS, encoder.encode(failed)])
+            _send(outputs, [OUTPUTS, encoder.encode(failed)], parent)
             raise
         if step_outputs.outputs or step_outputs.scheduler_stats is not None:
-            outputs.send_multipart([OUTPUTS, encoder.encode(step_outputs)])
+            _send(outputs, [OUTPUTS, encoder.encode(step_outputs)], parent)
 
 
-def _add_request(engine: Any, request: EngineCoreRequest, outputs: zmq.Socket) -> None:
+def _add_request(
+    engine: Any, request: EngineCoreRequest, outputs: zmq.Socket, parent: _Parent
+) -> None:
     """Queue ``request``; one the scheduler refuses finishes at once with an error, instead of
     taking the engine down (the front end validates first, so this is a guard)."""
     try:
@@ -134,4 +190,4 @@ def _add_request(engine: Any, request: EngineCoreRequest, outputs: zmq.Socket) -
             request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc)
         )
         result = EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic())
-        outputs.send_multipart([OUTPUTS, encoder.encode(result)])
+        _send(outputs, [OUTPUTS, encoder.encode(result)], parent)
