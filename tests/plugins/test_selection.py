@@ -25,7 +25,7 @@ def test_discovery_finds_every_entry_point_with_its_distribution():
     assert names["cpu"]["distribution"] == "kiln (built-in)"
     general = {r["name"]: r["status"] for r in report["general_plugins"]}
     assert general == {"kiln_test": "loaded", "kiln_test_failing": "loaded"}
-    assert report["phases"] == ["discover", "select", "register", "configure"]
+    assert report["phases"] == ["discover", "select", "register", "configure", "init-process"]
 
 
 def test_builtin_cpu_when_no_out_of_tree_platform_activates():
@@ -222,7 +222,7 @@ def test_loading_is_idempotent_in_a_fresh_process():
     assert result == {
         "calls": 1,
         "same": True,
-        "phases": ["discover", "select", "register", "configure"],
+        "phases": ["discover", "select", "register", "configure", "init-process"],
     }
 
 

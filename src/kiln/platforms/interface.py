@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -96,6 +96,25 @@ class Platform:
     def register_ops(cls) -> None:
         """Register the platform's custom-op implementations (``register_impl``). Runs once per
         process, in the register phase, after the general plugins."""
+
+    @classmethod
+    def device_info(cls) -> dict[str, Any]:
+        """What the platform found on this machine (instruction sets, device names...), as a
+        JSON-ready dict; ``kiln plugins`` and ``/debug/plugins`` show it. Must not change any
+        state."""
+        return {}
+
+    @classmethod
+    def init_process(cls, role: str, config: KilnConfig) -> None:
+        """Called once in every Kiln process after configure, with its role (``api``: beside
+        ``kiln serve``'s HTTP server or ``kiln plugins``; ``engine``: the engine process beside an
+        API server; ``worker``; ``offline``: an ``LLM`` in the caller's process). For process-wide
+        settings such as where the API server runs; device set-up belongs in
+        ``init_worker_process``.
+
+        Raises:
+            ValueError: a setting that cannot be honoured on this machine.
+        """
 
     @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:

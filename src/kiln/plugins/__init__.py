@@ -19,7 +19,8 @@ def init_process(role: str, config: KilnConfig) -> KilnConfig:
     """Run the plugin lifecycle for this process and return the platform-updated config.
 
     Phases, each once per process: discover -> select platform -> register (general plugins,
-    then platform-scope patches) -> configure -> (workers only) worker-scope patches.
+    then platform-scope patches) -> configure -> the platform's ``init_process(role, config)``
+    -> (workers only) worker-scope patches.
 
     Raises:
         ValueError: unknown ``role``, or a config the platform or a plugin rejects.
@@ -35,6 +36,7 @@ def init_process(role: str, config: KilnConfig) -> KilnConfig:
     manager.select_platform(config.device.platform)
     manager.load_general_plugins()
     config = manager.configure(config)
+    manager.init_platform_process(config)
     if role == "worker":
         manager.init_worker()
     return config

@@ -32,6 +32,17 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _device_info(platform_cls: Any) -> dict[str, Any]:
+    """``Platform.device_info()``, or the error it raised (a report must not fail on it)."""
+    try:
+        info = platform_cls.device_info()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if not isinstance(info, dict):
+        return {"error": f"device_info() returned {type(info).__name__}, not a dict"}
+    return info
+
+
 def build_report(
     manager: PluginManager, config: KilnConfig | None, *, check_classes: bool = True
 ) -> dict[str, Any]:
@@ -51,6 +62,7 @@ def build_report(
             "supported_dtypes": list(cls.supported_dtypes),
             "supported_quantization": list(cls.supported_quantization),
             "supports_graph_capture": cls.supports_graph_capture,
+            "device_info": _device_info(cls),
         }
     classes = []
     if config is not None:
@@ -132,6 +144,10 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> list[s
     return [*lines, ""]
 
 
+def _cell(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as readable tables."""
     lines: list[str] = []
@@ -142,6 +158,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"  device_type={p['device_type']} dist_backend={p['dist_backend']} "
             f"dtypes={p['supported_dtypes']} quantization={p['supported_quantization']} "
             f"graph_capture={p['supports_graph_capture']}",
+        ]
+        info = p.get("device_info") or {}
+        if info:
+            lines.append("  device: " + " ".join(f"{k}={_cell(v)}" for k, v in info.items()))
+        lines += [
             "",
         ]
     if report.get("error"):

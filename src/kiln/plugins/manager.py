@@ -27,7 +27,7 @@ from kiln.plugins.discovery import (
     find_entry_points,
     plugin_allowlist,
 )
-from kiln.plugins.interfaces import resolve_class
+from kiln.plugins.interfaces import InterfaceError, check_implements, resolve_class
 from kiln.plugins.registry import registering_as
 from kiln.utils import resolve_obj_by_qualname
 
@@ -181,6 +181,12 @@ class PluginManager:
                 f"{version}, but this Kiln provides API {PLATFORM_API_VERSION}: the major versions "
                 "differ; install a release of the plugin built for this Kiln"
             )
+        try:
+            # Overridden hooks must keep the Platform signatures the core calls them with.
+            check_implements(platform_cls, Platform)
+        except InterfaceError as exc:
+            record.status = "refused"
+            raise PlatformSelectionError(f"platform {record.name!r}: {exc}") from exc
         if platform_cls.config_section is not None:
             with registering_as(record.name):
                 PLUGIN_CONFIG_REGISTRY.declare(record.name, platform_cls.config_section)
@@ -262,6 +268,17 @@ class PluginManager:
             classes[name] = resolve_class(name, qualname)
             self.resolved_classes[name] = qualname
         return classes
+
+    def init_platform_process(self, config: KilnConfig) -> None:
+        """Call the platform's ``init_process(role, config)`` once in this process.
+
+        Raises:
+            ValueError: the platform cannot honour ``config`` on this machine.
+        """
+        if "init-process" in self.phases or self.choice is None:
+            return
+        self.choice.platform_cls.init_process(self.role or "offline", config)
+        self.phases.append("init-process")
 
     # -- worker scope -----------------------------------------------------------------------------
     def init_worker(self) -> None:
