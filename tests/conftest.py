@@ -15,7 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kiln import LLM
 from kiln.model_executor.loader.default_model import DefaultModelNotFoundError, default_model_path
+from kiln.outputs import PositionLogprobs
 from kiln.testing.reference import hf_greedy, hf_logits, hf_model_from_gguf
 
 MISSING_MODEL_HINT = (
@@ -38,6 +40,13 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def llm_f32(gguf_path: str) -> LLM:
+    """A float32 ``LLM`` of the default model (whole prefill, prefix caching on), shared by the
+    tests that compare Kiln with ``transformers``. Tests must not change its state for others."""
+    return LLM(gguf_path, dtype="float32", kv_cache_memory=0.25, max_model_len=1024, max_num_seqs=8)
+
+
+@pytest.fixture(scope="session")
 def hf_model(gguf_path: str) -> torch.nn.Module:
     return hf_model_from_gguf(gguf_path)
 
@@ -50,8 +59,40 @@ def hf_logprobs(hf_model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Te
     return logits.float().log_softmax(dim=-1)
 
 
+# Kiln and transformers, both float32, differ by ~2e-5 nats on the default model; a real bug (a
+# position off by one, logits of the wrong row) moves logprobs by whole nats.
+LOGPROB_ATOL = 2e-3
+
+
+def check_position_logprobs(
+    got: PositionLogprobs, reference: torch.Tensor, token_id: int, num_top: int, where: str = ""
+) -> None:
+    """Asserts that ``got`` (one position of Kiln's logprobs: the chosen token, then the top
+    ``num_top``) matches ``reference`` ([vocab] float32 logprobs from ``transformers``): the same
+    token ids, values within ``LOGPROB_ATOL`` and ranks consistent with the reference."""
+    top_ids = reference.topk(num_top).indices.tolist() if num_top else []
+    assert set(got) == {token_id, *top_ids}, f"{where}: token ids {sorted(got)}"
+    for tid, logprob in got.items():
+        expected = float(reference[tid])
+        assert abs(logprob.logprob - expected) <= LOGPROB_ATOL, (
+            f"{where}: token {tid} logprob {logprob.logprob} != transformers' {expected}"
+        )
+        # Rank: 1 + tokens strictly more likely; tokens within the tolerance may fall either way.
+        surely_above = int((reference > expected + LOGPROB_ATOL).sum())
+        maybe_above = int((reference > expected - LOGPROB_ATOL).sum()) - 1
+        assert logprob.rank is not None and surely_above + 1 <= logprob.rank <= maybe_above + 1, (
+            f"{where}: token {tid} rank {logprob.rank}"
+        )
+
+
 @pytest.fixture(scope="session")
 def hf_ref() -> SimpleNamespace:
     """``transformers`` reference helpers: ``greedy(model, prompt, n)``, ``logits(model, ids)``
-    (last position) and ``logprobs(model, ids)`` (every position)."""
-    return SimpleNamespace(greedy=hf_greedy, logits=hf_logits, logprobs=hf_logprobs)
+    (last position), ``logprobs(model, ids)`` (every position) and
+    ``check_position(got, reference_row, token_id, num_top, where)``."""
+    return SimpleNamespace(
+        greedy=hf_greedy,
+        logits=hf_logits,
+        logprobs=hf_logprobs,
+        check_position=check_position_logprobs,
+    )
