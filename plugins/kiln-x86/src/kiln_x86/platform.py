@@ -61,7 +61,8 @@ class X86Platform(CpuPlatform):
         if role != "api" or not plan.api_cpus:
             return
         # The engine process inherits this process's affinity: tell it what was usable first.
-        os.environ.setdefault(USABLE_CPUS_ENV, format_cpu_list(usable_cpus()))
+        if not os.environ.get(USABLE_CPUS_ENV):
+            os.environ[USABLE_CPUS_ENV] = format_cpu_list(usable_cpus())
         pin_process(plan.api_cpus)
         logger.info("x86: API server pinned to core(s) %s", format_cpu_list(plan.api_cpus))
 
@@ -86,4 +87,7 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def register_ops(cls) -> None:
+        from kiln_x86.ops import register_x86_ops
+
         super().register_ops()
+        register_x86_ops()

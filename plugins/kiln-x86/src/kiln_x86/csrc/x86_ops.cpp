@@ -1,0 +1,248 @@
+// kiln-x86 fused CPU kernels: add + RMSNorm, neox rotary embedding, SiLU-and-mul.
+//
+// Each kernel makes one pass over its rows (parallel over rows with at::parallel_for, so it runs
+// on torch's own OpenMP threads) and reproduces the rounding steps of the Python reference it
+// replaces (kiln.model_executor.layers.*.forward_native): float32 statistics, results rounded to
+// the input dtype where the reference rounds. Built with -ffp-contract=off so that float32
+// products are not fused into FMAs the reference does not use.
+//
+// The ops are declared in the `kiln_x86` torch library (callable as torch.ops.kiln_x86.*, and so
+// opaque nodes under torch.compile) and also bound directly for eager calls, which skip the
+// dispatcher.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Rows per parallel task: below this much work (elements) a call stays on one thread.
+constexpr int64_t kGrainElems = 16384;
+
+int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
+}
+
+// Conversions written branch-free so that the loops below vectorize; the bf16 rounding is
+// c10's (round to nearest even, NaN kept a quiet NaN).
+template <typename T>
+inline T round_to(float v);
+
+template <>
+inline float round_to<float>(float v) {
+  return v;
+}
+
+template <>
+inline c10::BFloat16 round_to<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t rounded = (v != v) ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(rounded >> 16), c10::BFloat16::from_bits());
+}
+
+inline float to_float(float v) { return v; }
+
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Sum of squares with 16 independent partial sums (a vector register's worth), so the compiler
+// vectorizes it without reassociating a single chain.
+inline float sum_of_squares(const float* v, int64_t n) {
+  constexpr int kLanes = 16;
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) part[j] += v[i + j] * v[i + j];
+  }
+  float acc = 0.f;
+  for (int j = 0; j < kLanes; ++j) acc += part[j];
+  for (; i < n; ++i) acc += v[i] * v[i];
+  return acc;
+}
+
+// Runs fn(tag) with a value of the kernel's element type: float32 and bfloat16 only.
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, const char* op, Fn&& fn) {
+  if (dtype == at::kFloat) {
+    fn(float{});
+  } else if (dtype == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": dtype ", dtype, " is not supported (float32, bfloat16)");
+  }
+}
+
+void check_cpu_contiguous_last(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, " must be contiguous in its last dim");
+}
+
+// x (+ residual) -> (normed, x + residual). fp32: (x * rstd) * w as F.rms_norm computes it;
+// reduced precision: w * round(x * rstd), Hugging Face's order of rounding.
+template <typename T>
+void rms_norm_kernel(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows,
+                     int64_t d, float eps) {
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      float acc = 0.f;
+      if (res != nullptr) {
+        const T* rr = res + r * d;
+        T* sr = sum_out + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          // The sum is rounded to T, as the reference adds in the model dtype.
+          T s = round_to<T>(to_float(xr[i]) + to_float(rr[i]));
+          sr[i] = s;
+          buf[i] = to_float(s);
+        }
+      } else {
+        for (int64_t i = 0; i < d; ++i) buf[i] = to_float(xr[i]);
+      }
+      acc = sum_of_squares(buf.data(), d);
+      const float rstd = 1.f / std::sqrt(acc / static_cast<float>(d) + eps);
+      T* orow = out + r * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float normed = to_float(round_to<T>(buf[i] * rstd));
+        orow[i] = round_to<T>(normed * to_float(w[i]));
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps) {
+  check_cpu_contiguous_last(x, "x");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.numel() == d, "weight has ", weight.numel(), " elements, x's last dim is ", d);
+  auto xc = x.contiguous();
+  auto wc = weight.to(x.scalar_type()).contiguous();
+  auto out = at::empty_like(xc);
+  at::Tensor sum;
+  at::Tensor rc;
+  if (residual.has_value()) {
+    rc = residual->contiguous();
+    TORCH_CHECK(rc.sizes() == xc.sizes() && rc.scalar_type() == xc.scalar_type(),
+                "residual must have x's shape and dtype");
+    sum = at::empty_like(xc);
+  }
+  const int64_t rows = d ? xc.numel() / d : 0;
+  dispatch_dtype(xc.scalar_type(), "kiln_x86_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_norm_kernel<scalar_t>(xc.data_ptr<scalar_t>(),
+                              residual.has_value() ? rc.data_ptr<scalar_t>() : nullptr,
+                              wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              residual.has_value() ? sum.data_ptr<scalar_t>() : nullptr, rows, d,
+                              static_cast<float>(eps));
+  });
+  if (residual.has_value()) return {out, sum};
+  return {out};
+}
+
+// [..., 2d] -> [..., d]: silu(gate) * up with ATen's own vectorized kernels, the reference's two
+// ops and roundings exactly; what is saved is the Python and dispatch work around them. (A loop
+// of scalar expf here measured slower than ATen's vectorized silu.)
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_cpu_contiguous_last(x, "x");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "x's last dim must be even, got ", x.size(-1));
+  const int64_t d = x.size(-1) / 2;
+  auto out = at::silu(x.narrow(-1, 0, d));
+  out.mul_(x.narrow(-1, d, d));
+  return out;
+}
+
+// Neox rotary embedding of every head of one tensor: (x1 c - x2 s, x2 c + x1 s), each product
+// and each sum rounded to T as the reference's separate ops do.
+template <typename T>
+void rotary_kernel(const int64_t* pos, const T* cache, const T* x, T* out, int64_t tokens,
+                   int64_t heads, int64_t head_dim, int64_t max_position) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = pos[t];
+      TORCH_CHECK(p >= 0 && p < max_position, "position ", p, " is outside the rotary cache (",
+                  max_position, " positions)");
+      const T* cos = cache + p * head_dim;
+      const T* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + (t * heads + h) * head_dim;
+        T* oh = out + (t * heads + h) * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(xh[i]);
+          const float x2 = to_float(xh[i + half]);
+          const float c = to_float(cos[i]);
+          const float s = to_float(sin[i]);
+          const float a = to_float(round_to<T>(x1 * c));
+          const float b = to_float(round_to<T>(x2 * s));
+          const float e = to_float(round_to<T>(x2 * c));
+          const float f = to_float(round_to<T>(x1 * s));
+          oh[i] = round_to<T>(a - b);
+          oh[i + half] = round_to<T>(e + f);
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                         const at::Tensor& key, const at::Tensor& cos_sin_cache,
+                                         int64_t head_dim) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() &&
+                  cos_sin_cache.scalar_type() == query.scalar_type(),
+              "query, key and cos_sin_cache must share a dtype");
+  TORCH_CHECK(head_dim % 2 == 0 && cos_sin_cache.size(-1) == head_dim,
+              "cos_sin_cache must be [max_position, head_dim] with an even head_dim");
+  auto pc = positions.contiguous();
+  auto cc = cos_sin_cache.contiguous();
+  const int64_t tokens = pc.numel();
+  std::vector<at::Tensor> outs;
+  for (const auto& x : {query, key}) {
+    check_cpu_contiguous_last(x, "query/key");
+    auto xc = x.contiguous();
+    TORCH_CHECK(tokens == 0 || xc.numel() % (tokens * head_dim) == 0,
+                "query/key must be [num_tokens, num_heads * head_dim]");
+    const int64_t heads = tokens ? xc.numel() / tokens / head_dim : 0;
+    auto out = at::empty_like(xc);
+    dispatch_dtype(xc.scalar_type(), "kiln_x86_rotary", [&](auto tag) {
+    using scalar_t = decltype(tag);
+      rotary_kernel<scalar_t>(pc.data_ptr<int64_t>(), cc.data_ptr<scalar_t>(),
+                              xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), tokens, heads,
+                              head_dim, cc.size(0));
+    });
+    outs.push_back(out.view({tokens, -1}));
+  }
+  return outs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln_x86, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, "
+      "int head_dim) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(kiln_x86, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "add + RMSNorm");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key");
+}

@@ -1,0 +1,86 @@
+"""Builds and loads kiln-x86's C++ kernels (``csrc/x86_ops.cpp``), once per machine.
+
+Contract: ``load_kernels()`` returns the compiled module (``rms_norm``, ``silu_and_mul``,
+``rotary_embedding``; the same ops are also ``torch.ops.kiln_x86.*``), building it on first use
+with ``torch.utils.cpp_extension.load`` into a cache directory that later processes reuse:
+``$KILN_X86_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln-x86`` (``~/.cache/kiln-x86``). The build is
+compiled for this CPU (``-march=native``), so its name carries the instruction sets found, and a
+machine with other ones builds its own. It returns None, once logged, when the build fails (no
+compiler): callers then keep the reference implementations. ``python -m kiln_x86.kernels``
+builds it ahead of time (Kiln's set-up script does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+from kiln_x86.cpuinfo import cpu_features
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "KILN_X86_CACHE_DIR"
+SOURCE = Path(__file__).parent / "csrc" / "x86_ops.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+
+_STATE: dict[str, ModuleType | None] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln-x86"
+    )
+    return Path(root)
+
+
+def extension_name() -> str:
+    """``kiln_x86_ops_<isa>_<hash of source and flags>``: one build per CPU kind and source."""
+    isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    return f"kiln_x86_ops_{isa}_{digest}"
+
+
+def load_kernels() -> ModuleType | None:
+    """The compiled kernels (built into the cache on first use), or None if they cannot be
+    built here."""
+    if "module" in _STATE:
+        return _STATE["module"]
+    name = extension_name()
+    build_dir = cache_dir() / name
+    cached = any(build_dir.glob(f"{name}*.so")) if build_dir.exists() else False
+    if not cached:
+        logger.warning(
+            "kiln-x86: compiling its C++ kernels into %s (once per machine; about a minute)",
+            build_dir,
+        )
+    start = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers: run the reference ops instead
+        logger.error("kiln-x86: could not build its kernels, using Kiln's reference ops: %s", exc)
+        module = None
+    else:
+        if not cached:
+            logger.warning("kiln-x86: kernels built in %.0f s", time.perf_counter() - start)
+    _STATE["module"] = module
+    return module
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = load_kernels()
+    print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
+    raise SystemExit(0 if built else 1)

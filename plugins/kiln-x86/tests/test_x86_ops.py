@@ -1,0 +1,108 @@
+"""The fused kernels against Kiln's reference ops (``forward_native``) beyond the kit's examples:
+odd sizes, strided inputs, the default model's real shapes and weights, and bfloat16 rounding
+that follows the reference's (bit-identical but for rare last-bit differences)."""
+
+import pytest
+import torch
+from kiln_x86 import ops
+
+from kiln.model_executor.layers.activation import SiluAndMul
+from kiln.model_executor.layers.layernorm import RMSNorm
+from kiln.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+pytestmark = pytest.mark.plugin
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if not ops.register_x86_ops():
+        pytest.fail("kiln-x86's C++ kernels could not be built here (see the log)")
+
+
+def _check(got, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        # One bf16 ulp at most, and nearly every element bit-identical: the kernel rounds where
+        # the reference rounds.
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+        assert got.numel() == 0 or (got == want).float().mean() > 0.99
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hidden", [(1, 576), (3, 97), (17, 576), (0, 64), (130, 1)])
+def test_rms_norm_with_and_without_residual(dtype, tokens, hidden):
+    g = _gen(tokens + hidden)
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
+    x = (3 * torch.randn(tokens, hidden, generator=g)).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype)
+    _check(ops.rms_norm(norm, x.clone()), norm.forward_native(x.clone()), dtype)
+    got, got_sum = ops.rms_norm(norm, x.clone(), residual.clone())
+    want, want_sum = norm.forward_native(x.clone(), residual.clone())
+    _check(got, want, dtype)
+    assert torch.equal(got_sum, want_sum)  # the residual sum is one rounding: exact
+
+
+def test_rms_norm_per_head_and_strided_input():
+    g = _gen(1)
+    norm = RMSNorm(32, 1e-6)
+    x = torch.randn(5, 4, 32, generator=g)  # Qwen3's q/k norm: [T, H, D]
+    _check(ops.rms_norm(norm, x), norm.forward_native(x), torch.float32)
+    wide = torch.randn(6, 64, generator=g)[:, :32]  # rows with a stride of 64
+    _check(ops.rms_norm(norm, wide), norm.forward_native(wide), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, d", [(1, 1536), (7, 48), (33, 5), (0, 8)])
+def test_silu_and_mul(dtype, tokens, d):
+    x = (4 * torch.randn(tokens, 2 * d, generator=_gen(d))).to(dtype)
+    op = SiluAndMul()
+    # ATen's own kernels in the same order: identical in both dtypes.
+    assert torch.equal(ops.silu_and_mul(op, x), op.forward_native(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens, heads, kv_heads, head_dim, scaling",
+    [
+        (1, 9, 3, 64, None),
+        (19, 4, 1, 6, None),
+        (5, 2, 2, 128, {"rope_type": "linear", "factor": 4.0}),
+    ],
+)
+def test_rotary_embedding(dtype, tokens, heads, kv_heads, head_dim, scaling):
+    g = _gen(tokens * head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 100000.0, scaling, dtype=dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    q = torch.randn(tokens, heads * head_dim, generator=g).to(dtype)
+    k = torch.randn(tokens, kv_heads * head_dim, generator=g).to(dtype)
+    got_q, got_k = ops.rotary_embedding(rope, positions, q, k)
+    want_q, want_k = rope.forward_native(positions, q, k)
+    _check(got_q, want_q, dtype)
+    _check(got_k, want_k, dtype)
+
+
+def test_rotary_refuses_positions_outside_the_cache():
+    rope = RotaryEmbedding(8, 16)
+    q = k = torch.randn(1, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        ops.rotary_embedding(rope, torch.tensor([16]), q, k)
+
+
+def test_the_default_models_norm_weights(gguf_path):
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    weight = torch.from_numpy(tensors["blk.0.attn_norm.weight"].data.copy()).float()
+    norm = RMSNorm(weight.numel(), 1e-5)
+    norm.weight.data.copy_(weight)
+    x, residual = torch.randn(2, 16, weight.numel(), generator=_gen(7))
+    got, _ = ops.rms_norm(norm, x, residual)
+    want, _ = norm.forward_native(x, residual)
+    _check(got, want, torch.float32)

@@ -1,0 +1,83 @@
+"""The ``x86`` config section: values checked on any machine (``X86Options``), values checked
+against this machine's cores (``plan_binding``), and both as ``--plugin-config`` errors."""
+
+import pytest
+from kiln_x86.binding import BindingPlan, format_cpu_list, plan_binding
+from kiln_x86.options import X86Options, parse_cpu_list
+
+from kiln.testing import plugin_report
+
+pytestmark = pytest.mark.plugin
+
+
+def test_cpu_lists_parse_and_format():
+    assert parse_cpu_list("0-3,8") == [0, 1, 2, 3, 8]
+    assert parse_cpu_list(" 5 ,1-2,2") == [1, 2, 5]
+    assert format_cpu_list([8, 0, 1, 2, 3]) == "0-3,8"
+    assert format_cpu_list((4,)) == "4"
+    for bad in ("", "a", "3-1", "1-", "-2", "0;1"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"num_threads": 0}, "x86.num_threads=0 is invalid; allowed: >= 1"),
+        ({"reserved_cpus": -1}, "x86.reserved_cpus=-1 is invalid; allowed: >= 0"),
+        ({"cpus": "0-x"}, "x86.cpus='0-x' is invalid"),
+        ({"cpus": "0-1", "num_threads": 3}, "x86.num_threads=3 exceeds the 2 core(s)"),
+    ],
+)
+def test_invalid_values_name_the_field_and_what_is_allowed(values, message):
+    with pytest.raises(ValueError) as err:
+        X86Options(**values)
+    assert message in str(err.value)
+
+
+def test_defaults_on_two_cores_give_the_model_both():
+    # Below 4 cores nothing is reserved for the API server (the README has the measurement).
+    assert plan_binding(X86Options(), "engine", [0, 1]) == BindingPlan(2, (0, 1), ())
+    assert plan_binding(X86Options(), "api", [0, 1]) == BindingPlan(2, (0, 1), ())
+    assert plan_binding(X86Options(), "offline", [0, 1]) == BindingPlan(2, (0, 1), ())
+
+
+def test_larger_machines_keep_one_core_for_the_api_server():
+    usable = [0, 1, 2, 3, 4, 5, 6, 7]
+    plan = plan_binding(X86Options(), "engine", usable)
+    assert plan == BindingPlan(7, (1, 2, 3, 4, 5, 6, 7), (0,))
+    # Offline there is no API server: every core runs the model.
+    assert plan_binding(X86Options(), "offline", usable).model_cpus == tuple(usable)
+
+
+def test_explicit_cores_threads_and_no_pinning():
+    usable = [0, 1, 2, 3]
+    opts = X86Options(cpus="2-3", reserved_cpus=1)
+    assert plan_binding(opts, "engine", usable) == BindingPlan(2, (2, 3), (0,))
+    assert plan_binding(X86Options(num_threads=1), "offline", usable) == BindingPlan(1, (0,), ())
+    unpinned = plan_binding(X86Options(cpus="none", num_threads=6), "engine", usable)
+    assert unpinned == BindingPlan(6, None, (0,))
+
+
+def test_cores_this_process_may_not_use_are_refused():
+    expected = r"x86.cpus='2-5' names core\(s\) 4-5 .* allowed: cores 0-3"
+    with pytest.raises(ValueError, match=expected):
+        plan_binding(X86Options(cpus="2-5"), "offline", [0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"x86.reserved_cpus=2 leaves no core for the model"):
+        plan_binding(X86Options(reserved_cpus=2), "engine", [0, 1])
+    with pytest.raises(ValueError, match=r"x86.num_threads=4 exceeds the 2 core\(s\)"):
+        plan_binding(X86Options(num_threads=4), "offline", [0, 1])
+
+
+def test_plugin_config_errors_reach_kiln_plugins():
+    rc, report = plugin_report(plugin_config='{"x86": {"num_threads": "two"}}')
+    assert rc == 1
+    expected = "--plugin-config x86.num_threads='two' is invalid; allowed: int | None"
+    assert expected in report["error"]
+    rc, report = plugin_report(plugin_config='{"x86": {"cpus": "0-4095"}}')
+    assert rc == 1
+    assert "x86.cpus='0-4095' names core(s)" in report["error"]
+    rc, report = plugin_report(plugin_config='{"x86": {"num_threads": 1, "cpus": "none"}}')
+    assert rc == 0, report.get("error")
+    fields = [row["field"] for row in report["plugin_config"]["x86"]]
+    assert fields == ["num_threads", "cpus", "reserved_cpus"]
