@@ -73,3 +73,11 @@ def test_the_reference_cpu_platform_stays_one_flag_away():
     assert rc == 0, report.get("error")
     assert report["platform"]["name"] == "cpu"
     assert not [i for i in report["op_implementations"] if i["provider"] == "kiln_x86"]
+
+
+def test_kiln_x86_0_keeps_the_detector_inactive():
+    rc, report = plugin_report(env={"KILN_X86": "0"})
+    assert rc == 0, report.get("error")
+    assert report["platform"]["name"] == "cpu"
+    record = next(r for r in report["platform_plugins"] if r["name"] == "x86")
+    assert record["status"] == "inactive"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
@@ -58,6 +59,12 @@ def load_kernels() -> ModuleType | None:
             build_dir,
         )
     start = time.perf_counter()
+    # torch looks for `ninja` on PATH; the pip-installed one sits beside this interpreter, which
+    # need not be on PATH (.venv/bin/python run without activating the venv).
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "")
+    if scripts not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([p for p in (path, scripts) if p])
     try:
         from torch.utils import cpp_extension
 
