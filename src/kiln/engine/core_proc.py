@@ -113,10 +113,13 @@ def run_engine_core(
     outputs.connect(output_addr)
     try:
         from kiln.engine.core import EngineCore
-        from kiln.platforms import current_platform
         from kiln.plugins import init_process
 
         config = init_process("engine", config)
+        # Only now: importing current_platform selects a platform, and before init_process it
+        # would ignore --platform (auto-detect) and refuse the forced one.
+        from kiln.platforms import current_platform
+
         engine = EngineCore(config)
         ready = ReadyMessage(
             engine.kv_cache_tokens,
