@@ -27,6 +27,8 @@ SAMPLING_EPS = 1e-5
 
 _MAX_PENALTY = 2.0
 _MAX_LOGIT_BIAS = 100.0
+MAX_STOP_CHARS = 2**16
+"""The most characters all of a request's stop strings may hold together."""
 
 
 class SamplingType(enum.IntEnum):
@@ -190,6 +192,11 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _invalid("stop", "non-empty strings", s)
+        num_stop_chars = sum(len(s) for s in self.stop)
+        if num_stop_chars > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop must hold at most {MAX_STOP_CHARS} characters in all, got {num_stop_chars}"
+            )
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise _invalid("stop_token_ids", "token ids (integers >= 0)", token_id)

@@ -82,6 +82,13 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return len(self.hf_tokenizer)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token covers: the longest token string
+        in the vocabulary (byte-level tokens spell one character per byte, so it bounds those
+        too). A text longer than ``n * max_token_chars`` has more than ``n`` tokens."""
+        return max((len(token) for token in self.hf_tokenizer.get_vocab()), default=1)
+
     @property
     def all_special_ids(self) -> list[int]:
         return list(self.hf_tokenizer.all_special_ids)
@@ -129,7 +136,9 @@ class Tokenizer:
             **kwargs: extra template variables (``tools``, ``documents``, ``enable_thinking``...).
 
         Raises:
-            ValueError: no template; a content part that is not text; a template that raises.
+            ValueError: no template; a content part that is not text; a template that fails in
+                any way (the template is code the model or a user supplied, so its failure is an
+                input error).
         """
         template = self._resolve_template(chat_template)
         special = {
@@ -144,6 +153,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+        except (MemoryError, RecursionError):
+            raise
+        except Exception as exc:  # e.g. {% include %} without a loader: TypeError
+            raise ValueError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _resolve_template(self, chat_template: str | None) -> str:
@@ -173,6 +186,8 @@ def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(
                     f"message content part of type {kind!r} is not supported; allowed: ['text']"
                 )
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a message content part of type 'text' needs a string 'text'")
             texts.append(part["text"])
         normalised["content"] = "\n".join(texts)
     return normalised

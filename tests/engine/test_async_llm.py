@@ -74,13 +74,21 @@ def test_a_killed_engine_core_fails_every_waiting_caller():
                     pass
 
             tasks = [asyncio.ensure_future(drain(f"r{i}")) for i in range(3)]
-            await asyncio.sleep(1.0)
+            for _ in range(300):
+                await asyncio.sleep(0.1)
+                if llm.stats.totals.num_running == 3:
+                    break
+            assert llm.stats.totals.kv_cache_usage > 0
             os.kill(llm.client.pid, signal.SIGKILL)
             results = await asyncio.wait_for(
                 asyncio.gather(*tasks, return_exceptions=True), timeout=30
             )
             assert all(isinstance(r, EngineDeadError) for r in results), results
             assert llm.is_dead
+            await asyncio.wait_for(llm.wait_until_dead(), timeout=5)
+            # The gauges describe a dead engine: nothing runs, no KV cache is held.
+            totals = llm.stats.totals
+            assert (totals.num_running, totals.num_waiting, totals.kv_cache_usage) == (0, 0, 0)
             with pytest.raises(EngineDeadError):
                 async for _ in llm.generate("again", params, "late"):
                     pass

@@ -10,8 +10,7 @@ from tokenizers.models import WordLevel
 from kiln.engine.detokenizer import (
     IncrementalDecoder,
     IncrementalDetokenizer,
-    find_stop_string,
-    partial_stop_length,
+    StopStringMatcher,
 )
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.sampling_params import SamplingParams
@@ -148,6 +147,17 @@ def test_each_step_decodes_a_short_window(tokenizer):
     assert len(decoder._ids) < 300  # decoded ids are trimmed from the buffer
 
 
+def find_stop_string(text, num_new_chars, stop):
+    """The first stop string completing in the last ``num_new_chars`` of ``text``, fed whole."""
+    return StopStringMatcher(stop).feed(text, 0, len(text) - num_new_chars)
+
+
+def partial_stop_length(text, stop):
+    matcher = StopStringMatcher(stop)
+    matcher.feed(text, 0, len(text))  # no match counts: only the partial end
+    return matcher.partial_length
+
+
 def test_find_stop_string_earliest_end_wins():
     # "lo" completes at index 5, "world" at 11: list order does not matter.
     assert find_stop_string("hello world", 11, ["world", "lo"]) == ("lo", 3)
@@ -160,6 +170,23 @@ def test_find_stop_string_earliest_end_wins():
     assert find_stop_string("stop here", 4, ["stop"]) is None
     assert find_stop_string("stop here", 7, ["stop"]) == ("stop", 0)
     assert find_stop_string("text", 0, ["t"]) is None
+    # Overlapping and shared prefixes (failure links).
+    assert find_stop_string("aaab", 4, ["aab"]) == ("aab", 1)
+    assert find_stop_string("abcabd", 6, ["abd", "bca"]) == ("bca", 1)
+    assert find_stop_string("xyabcd", 6, ["abcdz", "bc"]) == ("bc", 3)
+
+
+def test_stop_matcher_fed_piece_by_piece_matches_whole_text():
+    text = "the quick brown fox jumps over the lazy dog, then the fox naps"
+    stops = ["fox j", "lazy cat", "the f", "naps", "x"]
+    whole = find_stop_string(text, len(text), stops)
+    for size in (1, 2, 3, 7):
+        matcher, found = StopStringMatcher(stops), None
+        for start in range(0, len(text), size):
+            found = matcher.feed(text[start : start + size], start, 0)
+            if found:
+                break
+        assert found == whole == ("x", 18)
 
 
 def test_partial_stop_length():
@@ -168,6 +195,35 @@ def test_partial_stop_length():
     assert partial_stop_length("hello", ["<END>"]) == 0
     assert partial_stop_length("abab", ["abac", "b"]) == 2
     assert partial_stop_length("ab", ["abcdef"]) == 2
+    assert partial_stop_length("xaab", ["aabc"]) == 3
+
+
+def test_stop_string_cost_does_not_grow_with_their_length():
+    """100 stop strings of 4,000 characters sharing a long prefix, and a text that keeps almost
+    matching them: each new character costs a bounded number of automaton lookups (counted, not
+    timed), where slicing every prefix of every stop string cost millions per token."""
+    stops = ["a" * 3990 + f"{i:03d}b" for i in range(100)]
+    matcher = StopStringMatcher(stops)
+    lookups = 0
+
+    class Counting(dict):
+        def __contains__(self, key):
+            nonlocal lookups
+            lookups += 1
+            return super().__contains__(key)
+
+        def get(self, key, default=None):
+            nonlocal lookups
+            lookups += 1
+            return super().get(key, default)
+
+    matcher._goto = [Counting(g) for g in matcher._goto]
+    text = "a" * 5000
+    for start in range(0, len(text), 4):  # token-sized pieces
+        assert matcher.feed(text[start : start + 4], start, 0) is None
+    assert lookups <= 4 * len(text)
+    assert matcher.partial_length == 3990
+    assert matcher.feed("042b", len(text), 0) == (stops[42], len(text) - 3990)
 
 
 def detokenize(tokenizer, text, **params):

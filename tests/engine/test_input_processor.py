@@ -153,4 +153,7 @@ def test_fan_out(processor):
     assert [c.sampling_params.seed for c in fan_out(unseeded)] == [None, None]
     single = processor.process("s", [5], SamplingParams())
     assert fan_out(single) == [single]
+    # The prompt is the same for every child: only child 0 computes its logprobs.
+    echoed = processor.process("e", [5, 6], SamplingParams(n=3, prompt_logprobs=2))
+    assert [c.sampling_params.prompt_logprobs for c in fan_out(echoed)] == [2, None, None]
     assert make_child_params(SamplingParams(seed=2**64 - 1), 1).seed == 0

@@ -1,14 +1,20 @@
 """``AsyncLLM``: the asyncio front door the API server uses; the engine core runs in its own
 process (``AsyncMPClient``).
 
-``generate()`` is an async iterator of ``RequestOutput``s (delta or cumulative, as the params'
-``output_kind`` says); closing it early (``aclose()``, or cancelling the task that iterates, as the
-server does when a client disconnects) aborts the request in the engine core and frees its KV
+``generate()`` admits the request at once (refusals raise before it returns, so a server can
+answer an error status before its response starts) and returns an async iterator of
+``RequestOutput``s (delta or cumulative, as the params' ``output_kind`` says); closing it early
+(``aclose()``, or cancelling the task that iterates, as the server does when a client
+disconnects) aborts the request in the engine core and frees its KV
 blocks. ``abort(request_id)`` from elsewhere (a server shutting
 down) ends that request's ``generate()`` with a last output whose unfinished completions have
 finish_reason ``"abort"``. One background task reads engine-core outputs, runs the output processor
-and hands each output to its request's queue. If the engine core dies, every waiting
-``generate()`` raises ``EngineDeadError``.
+and hands each output to its request's queue, yielding to the event loop between slices of a
+large step. If the engine core dies, every waiting ``generate()`` raises ``EngineDeadError``,
+the gauges read zero and ``wait_until_dead()`` returns.
+
+``max_num_waiting`` counts the requests the scheduler reports waiting plus those sent since its
+last report that will not fit the free batch slots (``max_num_seqs`` less the running ones).
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineCoreRequest, EngineDeadError
+from kiln.engine import EngineCoreRequest, EngineDeadError, FinishReason
 from kiln.engine.core_client import AsyncMPClient
 from kiln.engine.frontend import Frontend
 from kiln.engine.input_processor import PromptType, prompt_text
+from kiln.engine.output_processor import IterationStats
 from kiln.engine.stats import StatsRecorder
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -35,6 +43,9 @@ class _Aborted:
 
 
 _ABORTED = _Aborted()
+
+OUTPUT_SLICE = 64
+"""Requests handed their outputs between two yields to the event loop."""
 
 
 class QueueFullError(RuntimeError):
@@ -57,6 +68,9 @@ class AsyncLLM:
         self.model_name = frontend.model_name
         self.stats = StatsRecorder(10.0 if log_stats else 0.0)
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | _Aborted]] = {}
+        self._num_core_requests: dict[str, int] = {}
+        """Engine-core requests (``n`` each) of every admitted request."""
+        self._dead = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._is_shut_down = False
         self._output_task = asyncio.ensure_future(self._run_output_handler())
@@ -102,19 +116,21 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         return len(self._queues)
 
-    async def generate(
+    def generate(
         self,
         prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes.
+        """Admit the request now; the returned iterator sends it to the engine core and yields
+        its outputs until it finishes. Iterate it, or drop an admitted request with
+        ``release(request_id)``.
 
-        Raises:
-            ValueError: invalid prompt or params (before anything is queued).
+        Raises (here, not when iterating):
+            ValueError: invalid prompt or params, or ``request_id`` already running.
             QueueFullError: ``scheduler.max_num_waiting`` requests are already waiting.
-            EngineDeadError: the engine core died.
+            EngineDeadError: the engine core died (also raised while iterating).
         """
         self.client._check_alive()
         if self.is_queue_full():
@@ -125,6 +141,23 @@ class AsyncLLM:
         requests = self.frontend.make_requests(request_id, prompt, sampling_params, priority)
         queue: asyncio.Queue[RequestOutput | BaseException | _Aborted] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._num_core_requests[request_id] = len(requests)
+        return self._run(prompt, sampling_params, request_id, requests, queue)
+
+    def release(self, request_id: str) -> None:
+        """Drop an admitted request whose iterator was never iterated."""
+        self.frontend.output_processor.abort_requests([request_id])
+        self._queues.pop(request_id, None)
+        self._num_core_requests.pop(request_id, None)
+
+    async def _run(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        requests: list[EngineCoreRequest],
+        queue: asyncio.Queue[RequestOutput | BaseException | _Aborted],
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         # For the "abort" output: which completions are still running, and the latest of each.
         unfinished = set(range(sampling_params.n))
@@ -148,6 +181,7 @@ class AsyncLLM:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            self._num_core_requests.pop(request_id, None)
             if not finished:
                 # No await here: a cancelled caller (e.g. in an anyio cancel scope) could be
                 # cancelled again at the await, and the engine core would never hear of it.
@@ -156,14 +190,16 @@ class AsyncLLM:
     def is_queue_full(self) -> bool:
         """Whether ``scheduler.max_num_waiting`` requests already wait (a new one is refused)."""
         limit = self.config.scheduler.max_num_waiting
-        return (
-            limit is not None and self.stats.totals.num_waiting + self._num_unscheduled() >= limit
-        )
+        return limit is not None and self.num_waiting_estimate() >= limit
 
-    def _num_unscheduled(self) -> int:
-        # Requests sent since the scheduler's last report: count them as waiting.
+    def num_waiting_estimate(self) -> int:
+        """Engine-core requests waiting: those the scheduler last reported, plus those sent
+        since that will not fit the batch slots the scheduler has free."""
         totals = self.stats.totals
-        return max(0, len(self._queues) - totals.num_running - totals.num_waiting)
+        num_sent = sum(self._num_core_requests.values())
+        unreported = max(0, num_sent - totals.num_running - totals.num_waiting)
+        free_slots = max(0, self.config.scheduler.max_num_seqs - totals.num_running)
+        return totals.num_waiting + max(0, unreported - free_slots)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (no-op when it already finished).
@@ -171,8 +207,9 @@ class AsyncLLM:
         A ``generate()`` waiting for this request's outputs yields a last output whose unfinished
         completions have finish_reason ``"abort"``, then ends.
         """
-        core_ids = self.frontend.output_processor.abort_requests([request_id])
+        core_ids = self._abort_tracked(request_id)
         queue = self._queues.pop(request_id, None)
+        self._num_core_requests.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(_ABORTED)
         if core_ids and not self._is_shut_down:
@@ -180,25 +217,48 @@ class AsyncLLM:
 
     def _abort_nowait(self, request_id: str) -> None:
         """``abort()`` for a ``generate()`` that is closing: the message goes out from a task."""
-        core_ids = self.frontend.output_processor.abort_requests([request_id])
+        core_ids = self._abort_tracked(request_id)
         if core_ids and not self._is_shut_down:
             task = asyncio.ensure_future(self.client.abort_requests(core_ids))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    def _abort_tracked(self, request_id: str) -> list[str]:
+        """Stop tracking ``request_id`` in the output processor, counting each engine-core
+        request it still had as finished with reason "abort"; returns their ids."""
+        stats = IterationStats(iteration_timestamp=time.time())
+        core_ids = self.frontend.output_processor.abort_requests(
+            [request_id], stats, FinishReason.ABORT
+        )
+        if stats.finished_requests:
+            self.stats.record(None, stats)
+        return core_ids
+
     async def _run_output_handler(self) -> None:
+        output_processor = self.frontend.output_processor
         try:
             while True:
                 outputs = await self.client.get_output()
-                processed = self.frontend.output_processor.process_outputs(outputs.outputs)
-                for output in processed.request_outputs:
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-                if processed.reqs_to_abort:
-                    await self.client.abort_requests(processed.reqs_to_abort)
-                self.stats.record(outputs.scheduler_stats, processed.iteration_stats)
+                # A large step is processed in slices, yielding between them, so that a step
+                # with many requests (or costly stop strings) never holds the event loop long.
+                core_outputs = outputs.outputs
+                for start in range(0, max(len(core_outputs), 1), OUTPUT_SLICE):
+                    if start:
+                        await asyncio.sleep(0)
+                    processed = output_processor.process_outputs(
+                        core_outputs[start : start + OUTPUT_SLICE]
+                    )
+                    for output in processed.request_outputs:
+                        queue = self._queues.get(output.request_id)
+                        if queue is not None:
+                            queue.put_nowait(output)
+                    if processed.reqs_to_abort:
+                        await self.client.abort_requests(processed.reqs_to_abort)
+                    last = start + OUTPUT_SLICE >= len(core_outputs)
+                    scheduler_stats = outputs.scheduler_stats if last else None
+                    self.stats.record(scheduler_stats, processed.iteration_stats)
         except EngineDeadError as exc:
+            self._on_dead()
             for queue in self._queues.values():
                 queue.put_nowait(exc)
         except asyncio.CancelledError:
@@ -207,8 +267,18 @@ class AsyncLLM:
             logger.exception("output handler failed")
             dead = EngineDeadError(f"output handler failed: {exc}")
             self.client._mark_dead(str(dead))
+            self._on_dead()
             for queue in self._queues.values():
                 queue.put_nowait(dead)
+
+    def _on_dead(self) -> None:
+        # Nothing runs or waits any more: the gauges must not keep their last values.
+        self.stats.reset_gauges()
+        self._dead.set()
+
+    async def wait_until_dead(self) -> None:
+        """Return once the engine core is dead (and every waiting caller has been told)."""
+        await self._dead.wait()
 
     async def wait_until_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight, at most ``timeout`` seconds; True if idle."""

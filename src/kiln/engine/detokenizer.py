@@ -9,7 +9,8 @@ Contract:
 - ``IncrementalDetokenizer`` is one request's text: it applies stop strings (the matched one and
   what follows are cut; ``include_stop_str_in_output`` keeps the stop string) and holds back the
   end of the text while it may be the start of a stop string, so that streamed text never shows
-  part of a stop string.
+  part of a stop string. ``StopStringMatcher`` finds them at a cost per new character that does
+  not grow with the number or the length of the stop strings.
 
 Text is decoded by the Hugging Face ``tokenizers`` backend without the Python layer's
 ``clean_up_tokenization_spaces`` (a non-incremental, English-only post-pass; vLLM skips it too).
@@ -108,40 +109,78 @@ class IncrementalDecoder:
         return new_text
 
 
-def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str]) -> tuple[str, int] | None:
-    """The first stop string to complete within the last ``num_new_chars`` characters of ``text``.
+class StopStringMatcher:
+    """Finds stop strings in a text that grows at its end: an Aho-Corasick automaton over the stop
+    strings, so each new character costs the same however many and however long they are.
 
     "First" is the match that ends earliest (the one that would have fired first had the text
     arrived one character at a time, so the result does not depend on how text splits into
-    tokens); on a tie, the one that starts earliest. Matches that end before the new characters
-    were found by earlier calls.
+    tokens); on a tie, the one that starts earliest (the longest).
 
-    Returns:
-        ``(stop_string, start_index)``, or None when no stop string completes in the new text.
+    Args:
+        stop: the stop strings (non-empty).
     """
-    if num_new_chars <= 0:
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        word: list[str | None] = [None]
+        for stop_str in stop:
+            node = 0
+            for char in stop_str:
+                child = goto[node].get(char)
+                if child is None:
+                    child = len(goto)
+                    goto[node][char] = child
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    word.append(None)
+                node = child
+            word[node] = stop_str
+        fail = [0] * len(goto)
+        # The longest stop string that ends at each node: its own, else its failure node's.
+        match = list(word)
+        order = list(goto[0].values())
+        for node in order:  # breadth first: a failure node is always shallower
+            for char, child in goto[node].items():
+                f = fail[node]
+                while f and char not in goto[f]:
+                    f = fail[f]
+                fail[child] = goto[f].get(char, 0) if node else 0
+                if match[child] is None:
+                    match[child] = match[fail[child]]
+                order.append(child)
+        self._goto, self._fail, self._depth, self._match = goto, fail, depth, match
+        self._state = 0
+
+    def feed(self, text: str, start: int, check_from: int) -> tuple[str, int] | None:
+        """Scan ``text``, the characters of the whole text from index ``start`` on.
+
+        Returns:
+            ``(stop_string, start_index)`` of the first stop string that completes at an end
+            index above ``check_from`` (earlier ends are ignored: ``min_tokens``), or None.
+        """
+        goto, fail, match = self._goto, self._fail, self._match
+        state = self._state
+        for offset, char in enumerate(text):
+            while state and char not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(char, 0)
+            found = match[state]
+            if found is not None and start + offset + 1 > check_from:
+                self._state = state
+                return found, start + offset + 1 - len(found)
+        self._state = state
         return None
-    best: tuple[int, int, str] | None = None
-    for stop_str in stop:
-        search_from = max(0, len(text) - num_new_chars - len(stop_str) + 1)
-        start = text.find(stop_str, search_from)
-        if start == -1:
-            continue
-        candidate = (start + len(stop_str), start, stop_str)
-        if best is None or candidate[:2] < best[:2]:
-            best = candidate
-    return None if best is None else (best[2], best[1])
 
-
-def partial_stop_length(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that is the start (not all) of a stop string."""
-    length = 0
-    for stop_str in stop:
-        for k in range(min(len(stop_str) - 1, len(text)), length, -1):
-            if text.endswith(stop_str[:k]):
-                length = k
-                break
-    return length
+    @property
+    def partial_length(self) -> int:
+        """Length of the longest end of the text fed so far that is the start (not all) of a
+        stop string."""
+        node = self._state
+        while node and not self._goto[node]:  # a leaf is a whole stop string
+            node = self._fail[node]
+        return self._depth[node]
 
 
 class IncrementalDetokenizer:
@@ -164,6 +203,7 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         self.stop: list[str] = list(params.stop or [])
+        self._stop_matcher = StopStringMatcher(self.stop) if self.stop else None
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.output_text = ""
@@ -192,8 +232,8 @@ class IncrementalDetokenizer:
         self.num_output_tokens += len(new_token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
-        check_from = len(self.output_text)
-        pieces = [self.output_text]
+        start = check_from = len(self.output_text)
+        pieces = []
         for i, token_id in enumerate(new_token_ids):
             piece = self._decoder.decode_next(token_id)
             pieces.append(piece)
@@ -201,10 +241,11 @@ class IncrementalDetokenizer:
                 check_from += len(piece)
         if finished:
             pieces.append(self._decoder.flush())
-        self.output_text = "".join(pieces)
-        if stop_terminated or not self.stop:
+        new_text = "".join(pieces)
+        self.output_text += new_text
+        if stop_terminated or self._stop_matcher is None:
             return None
-        match = find_stop_string(self.output_text, len(self.output_text) - check_from, self.stop)
+        match = self._stop_matcher.feed(new_text, start, check_from)
         if match is None:
             return None
         stop_str, start = match
@@ -219,8 +260,8 @@ class IncrementalDetokenizer:
         back (it is sent once known not to be, and never if a stop string completes).
         """
         end = len(self.output_text)
-        if self._holds_back and not finished:
-            end -= partial_stop_length(self.output_text, self.stop)
+        if self._holds_back and not finished and self._stop_matcher is not None:
+            end -= self._stop_matcher.partial_length
         if not delta:
             return self.output_text[:end]
         start = self._num_sent_chars
@@ -233,7 +274,6 @@ class IncrementalDetokenizer:
 __all__ = [
     "IncrementalDecoder",
     "IncrementalDetokenizer",
-    "find_stop_string",
+    "StopStringMatcher",
     "make_decode_fn",
-    "partial_stop_length",
 ]

@@ -18,6 +18,10 @@ from kiln.model_executor.loader.default_model import DEFAULT_MODEL_NAME
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import Tokenizer, load_tokenizer
 
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "chat_template"}
+)
+
 
 def served_model_name(config: KilnConfig) -> str:
     """The name clients use: ``--served-model-name``, else the model's own name."""
@@ -96,8 +100,14 @@ class Frontend:
         """The prompt text of a conversation, rendered with the model's (or the given) template.
 
         Raises:
-            ValueError: the model has no chat template and none was given, or the template failed.
+            ValueError: the model has no chat template and none was given, the template failed,
+                or ``chat_template_kwargs`` names a variable set here.
         """
+        reserved = sorted(_RESERVED_TEMPLATE_VARIABLES.intersection(chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs must not set {reserved}: pass them as arguments"
+            )
         return self.tokenizer.apply_chat_template(
             list(messages),
             add_generation_prompt=add_generation_prompt,

@@ -36,9 +36,12 @@ def child_request_id(parent_request_id: str, index: int) -> str:
 
 def make_child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of child ``index``: ``n = 1``, and ``seed + index`` when a seed is set, so that
-    seeded children differ from each other yet are reproducible (as vLLM)."""
+    seeded children differ from each other yet are reproducible (as vLLM). Only child 0 asks
+    for prompt logprobs: the prompt is the same for all, so they are computed once."""
     child = params.clone()
     child.n = 1
+    if index > 0:
+        child.prompt_logprobs = None
     if params.seed is not None:
         seed = params.seed + index
         child.seed = seed - _SEED_RANGE if seed >= _SEED_RANGE else seed

@@ -329,8 +329,18 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+    def abort_requests(
+        self,
+        request_ids: Iterable[str],
+        stats: IterationStats | None = None,
+        finish_reason: FinishReason = FinishReason.ABORT,
+    ) -> list[str]:
         """Stop tracking requests (parent ids abort all their children); no output is made.
+
+        Args:
+            request_ids: requests (or parents of ``n > 1`` requests) to stop tracking.
+            stats: where to count each engine-core request stopped as finished with
+                ``finish_reason``; None: not counted.
 
         Returns:
             The engine-core request ids that were tracked, for the caller to abort in the core.
@@ -344,6 +354,8 @@ class OutputProcessor:
                 if state is None:
                     continue
                 aborted.append(child_id)
+                if stats is not None:
+                    self._record_finished(state, finish_reason, stats, stats.iteration_timestamp)
                 if state.parent is not None:
                     state.parent.child_request_ids.discard(child_id)
                     state.parent.add_child_output(None, finished=True)
@@ -412,6 +424,12 @@ class OutputProcessor:
         del self.request_states[state.request_id]
         if state.parent is not None:
             state.parent.child_request_ids.discard(state.request_id)
+        self._record_finished(state, finish_reason, stats, now)
+
+    @staticmethod
+    def _record_finished(
+        state: _RequestState, finish_reason: FinishReason, stats: IterationStats, now: float
+    ) -> None:
         metrics = state.metrics
         metrics.finished_time = now
         stats.finished_requests.append(

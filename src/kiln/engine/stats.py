@@ -94,6 +94,13 @@ class StatsRecorder:
                 logger.exception("stats listener %r failed", listener)
         self.maybe_log(now)
 
+    def reset_gauges(self) -> None:
+        """Zero what describes the engine's present (running, waiting, KV usage): called when
+        the engine is gone, so the last values it reported do not linger."""
+        t = self.totals
+        t.num_running = t.num_waiting = 0
+        t.kv_cache_usage = 0.0
+
     def maybe_log(self, now: float | None = None) -> str | None:
         """Log (and return) the line if ``interval`` has passed and the engine did something."""
         now = time.monotonic() if now is None else now

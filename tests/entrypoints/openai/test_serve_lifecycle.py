@@ -1,9 +1,11 @@
 """Lifecycle against real servers of this module's own: client disconnects abort their requests,
 a full waiting queue answers 503, SIGTERM drains then aborts and leaves no process behind, and a
-dead engine turns /health to 503 and ends a stream with an error event."""
+dead engine ends a stream with an error event, turns /health to 503 and makes the server exit
+with status 1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -153,20 +155,22 @@ def test_sigterm_finishes_short_requests_aborts_long_ones(server: KilnServer) ->
 
 
 def test_dead_engine(model_path: str) -> None:
+    """The request in flight gets an error event, then the server exits on its own with status 1
+    (so a supervisor restarts it), leaving no process behind."""
     kiln = KilnServer(BASE_ARGS)
     try:
         with httpx.Client(base_url=kiln.url, timeout=60) as http:
             response, lines = _open_stream(http, LONG)
             _next_event(lines)
-            os.kill(engine_core_pid(kiln.proc.pid), signal.SIGKILL)
+            engine = engine_core_pid(kiln.proc.pid)
+            os.kill(engine, signal.SIGKILL)
             events = []
             while (event := _next_event(lines)) != "[DONE]":
                 events.append(event)
             response.close()
             assert "error" in events[-1] and events[-1]["error"]["code"] == 503
-            assert http.get("/health").status_code == 503
-            refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert refused.status_code == 503
-        assert kiln.stop() == 0
+            with contextlib.suppress(httpx.TransportError):  # or already closed
+                assert http.get("/health").status_code == 503
+        assert kiln.proc.wait(30) == 1
     finally:
         kiln.stop()

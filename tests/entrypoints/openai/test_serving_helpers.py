@@ -94,3 +94,52 @@ def test_bad_request_names_the_field() -> None:
     error = bad_request(ValueError("top_p must be in (0, 1], got 0"), {"top_p"})
     assert error.param == "top_p" and error.status_code == 400
     assert bad_request(ValueError("something else"), {"top_p"}).param is None
+
+
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection() -> None:
+    """A real uvicorn on loopback: after a 500 the same keep-alive connection serves the next
+    request (Starlette's last-resort handler re-raises, and uvicorn then drops the connection
+    without ``Connection: close``)."""
+    import http.client
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from kiln.entrypoints.openai.api_server import InternalErrorMiddleware
+    from kiln.entrypoints.openai.errors import install_exception_handlers
+
+    app = FastAPI()
+    install_exception_handlers(app)
+    app.add_middleware(InternalErrorMiddleware)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for _ in range(2):  # the second request reuses the connection
+            connection.request("GET", "/boom")
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            assert response.status == 500
+            assert body["error"]["code"] == 500 and "a bug" in body["error"]["message"]
+            assert response.getheader("connection") != "close"
+        connection.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

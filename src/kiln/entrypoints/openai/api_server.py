@@ -5,12 +5,15 @@ listening, so it stays closed while the model loads), start the engine core in i
 print the banner, then serve with uvicorn. On SIGTERM or SIGINT: stop accepting connections,
 answer new requests 503, let in-flight requests finish for up to ``--shutdown-timeout`` seconds,
 abort the rest (their responses end with finish_reason ``"abort"``), stop the engine process and
-exit 0. A second signal skips the wait.
+exit 0. A second signal skips the wait. If the engine core dies, the requests in flight are
+answered (with errors), then the server exits with status 1, so a supervisor restarts it.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
 /health`` (200, or 503 when the engine is dead or the server is shutting down), ``GET /metrics``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /debug/plugins``. With
-``--api-key``, only ``/v1/*`` needs the key.
+``--api-key``, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the key (the routes that run the
+tokenizer or a template). A request body over ``--max-request-body-bytes`` is refused with 413
+before it is read whole.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from typing import Any
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kiln
 from kiln.config import KilnConfig
@@ -48,23 +52,30 @@ from kiln.entrypoints.openai.protocol import (
 )
 from kiln.entrypoints.openai.serving_chat import OpenAIServingChat
 from kiln.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kiln.entrypoints.openai.serving_engine import ServerState
+from kiln.entrypoints.openai.serving_engine import ServerOptions, ServerState
 from kiln.entrypoints.openai.serving_models import OpenAIServingModels, OpenAIServingTokenization
 from kiln.model_executor.loader import resolve_model_ref
 
 logger = logging.getLogger("kiln.server")
 
 
+_GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+
+
+def _is_guarded(path: str) -> bool:
+    return path in _GUARDED_PATHS or path.startswith("/v1/")
+
+
 class APIKeyMiddleware:
-    """Answers 401 to a ``/v1/*`` request without ``Authorization: Bearer <one of the keys>``."""
+    """Answers 401 to a request for a guarded route (``/v1/*``, ``/tokenize``, ``/detokenize``)
+    without ``Authorization: Bearer <one of the keys>``."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+        if scope["type"] == "http" and _is_guarded(scope.get("path", "")):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not any(hmac.compare_digest(given, key) for key in self.expected):
                 error = OpenAIError(
@@ -75,16 +86,92 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Refuses a request body over ``max_bytes`` with 413: at once when its ``Content-Length``
+    says so, else (a chunked body) as soon as more than that has arrived."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(
+            f"The request body is larger than this server's limit of {self.max_bytes} bytes "
+            "(--max-request-body-bytes).",
+            413,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await error_response(self._too_large())(scope, receive, send)
+            return
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > self.max_bytes:
+                    # An HTTPException passes FastAPI's body parsing unchanged (see errors).
+                    raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class InternalErrorMiddleware:
+    """Answers an unexpected exception with a 500 OpenAI error body and keeps the connection
+    usable: Starlette's last-resort handler re-raises after answering, and uvicorn then drops the
+    keep-alive connection without ``Connection: close``. After the response has started there is
+    nothing to answer: the exception goes on (uvicorn closes the connection)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.error("request to %s failed", scope.get("path"), exc_info=exc)
+            error = OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+            await error_response(error)(scope, receive, send)
+
+
 def _json(body: Any) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-def build_app(state: ServerState, api_keys: Sequence[str] | None = None) -> FastAPI:
+def build_app(
+    state: ServerState,
+    api_keys: Sequence[str] | None = None,
+    max_request_body_bytes: int | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``state``'s engine."""
     app = FastAPI(title="Kiln", version=kiln.__version__)
     install_exception_handlers(app)
+    # The last added runs first: errors, then the key, then the body limit.
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
+    app.add_middleware(InternalErrorMiddleware)
     completion = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     models = OpenAIServingModels(state)
@@ -116,11 +203,11 @@ def build_app(state: ServerState, api_keys: Sequence[str] | None = None) -> Fast
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:
-        return _json(tokenization.tokenize(request))
+        return _json(await tokenization.tokenize(request))
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:
-        return _json(tokenization.detokenize(request))
+        return _json(await tokenization.detokenize(request))
 
     @app.get("/version")
     async def version() -> Response:
@@ -145,6 +232,16 @@ class _Server(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.loop = asyncio.get_running_loop()
         self.drain_task: asyncio.Task | None = None
+        self.engine_died = False
+
+    async def exit_when_engine_dies(self) -> None:
+        """Once the engine core is dead, stop like on SIGTERM: the requests in flight have
+        been told, and get their answers; ``serve`` then returns 1."""
+        await self.state.llm.wait_until_dead()
+        logger.error("the engine core died: answering the requests in flight, then exiting")
+        self.engine_died = True
+        self.state.draining = True
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -216,7 +313,8 @@ def _banner(llm: AsyncLLM, state: ServerState, url: str, api_keys: Sequence[str]
 
 
 async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socket) -> int:
-    """Start the engine, serve until a signal, shut down. Returns the exit status."""
+    """Start the engine, serve until a signal (status 0) or the engine's death (status 1), shut
+    down. Returns the exit status."""
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -233,12 +331,19 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
         except EngineDeadError as exc:
             logger.error("%s", exc)
             return 1
+        status = 0
+        state: ServerState | None = None
         try:
-            state = ServerState(llm, llm.model_name, resolve_model_ref(config.model.model))
+            options = ServerOptions(
+                trust_request_chat_template=args.trust_request_chat_template,
+                max_n=args.max_n,
+            )
+            model_path = resolve_model_ref(config.model.model)
+            state = ServerState(llm, llm.model_name, model_path, options=options)
             shutdown_timeout = max(0.0, args.shutdown_timeout)
             server = _Server(
                 uvicorn.Config(
-                    build_app(state, args.api_key),
+                    build_app(state, args.api_key, args.max_request_body_bytes),
                     log_level=args.uvicorn_log_level,
                     lifespan="off",
                     timeout_graceful_shutdown=shutdown_timeout + 5,
@@ -253,18 +358,23 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
             host, port = sock.getsockname()[:2]
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             print(_banner(llm, state, url, args.api_key), flush=True)
+            watcher = asyncio.ensure_future(server.exit_when_engine_dies())
             await server.serve(sockets=[sock])
+            watcher.cancel()
             if server.drain_task is not None and not server.drain_task.done():
                 server.drain_task.cancel()
             server.abort_all()
             await asyncio.sleep(0)  # let the aborts go out
+            status = 1 if server.engine_died else 0
         finally:
             llm.shutdown()
+            if state is not None:
+                state.executor.shutdown(wait=False, cancel_futures=True)
             logger.info("server stopped")
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
-    return 0
+    return status
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -10,6 +10,10 @@ from kiln.engine.arg_utils import EngineArgs
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 """Below Kubernetes' default 30 s grace period, so in-flight requests end before a SIGKILL."""
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+"""16 MiB: room for a 128k-token prompt as text or token ids, far from what memory fears."""
+DEFAULT_MAX_N = 128
+"""OpenAI's cap on ``n``."""
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +27,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="KEY",
-        help="require `Authorization: Bearer KEY` on /v1/* (may be given several times)",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (may be "
+        "given several times)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a `chat_template` sent in a request (Jinja from any client; refused with "
+        "HTTP 400 unless this is set)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metavar="BYTES",
+        help="larger request bodies are refused with HTTP 413 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        metavar="N",
+        help="the most completions (`n`) one request may ask for (default: %(default)s)",
     )
     g.add_argument(
         "--disable-log-stats",

@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible routes: pydantic models with OpenAI's and vLLM's names.
 
 Contract: every model accepts unknown fields (``extra="allow"``: benchmark clients send fields we
-do not use; the server logs them once) and checks only types and simple ranges here; what depends
+do not use; the server logs them once) and checks only types and simple ranges here. ``null``
+means "the default" for every field (the OpenAI SDK sends it for unset fields). Every integer
+fits a signed 64-bit int, every float is finite, and no string holds a lone surrogate (none of
+these survive tokenizing or the engine's wire encoding). What depends
 on the model or the server (context length, vocabulary, ``max_logprobs``) is checked by the
 serving classes, and sampling ranges by ``SamplingParams``. A type error becomes an HTTP 400 with
 an OpenAI error body (see ``errors``), never FastAPI's 422.
@@ -12,20 +15,70 @@ are null, is exactly OpenAI's); their shapes are documented there.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
+Int = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+"""An integer the engine's wire encoding can carry."""
+
+
+def _find_lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) in ``value`` with a lone UTF-16 surrogate."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, where))
+                stack.append((child, f"{where}.{key}" if where else str(key)))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+    return None
+
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # The OpenAI SDK sends null for fields it leaves unset (n, echo...): use the default.
+        if isinstance(data, dict) and None in data.values():
+            return {
+                key: value
+                for key, value in data.items()
+                if value is not None or key not in cls.model_fields
+            }
+        return data
 
     def unknown_fields(self) -> list[str]:
         """Fields the client sent that this model does not declare."""
         return sorted(self.model_extra or {})
+
+
+class RequestBody(OpenAIBaseModel):
+    """A route's whole request body: refuses lone surrogates anywhere in it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = _find_lone_surrogate(data, "")
+        if where is not None:
+            raise ValueError(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate (such as \\ud800), which "
+                "is not valid Unicode text"
+            )
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -35,32 +88,32 @@ class StreamOptions(OpenAIBaseModel):
     """``usage`` (so far) in every chunk (vLLM)."""
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(RequestBody):
     """Fields completions and chat share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
+    seed: Int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int = 0
     request_id: str | None = None
 
     @model_validator(mode="after")
@@ -78,18 +131,18 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | TokenIds | list[TokenIds] | None = None
     """Text, texts, token ids (used exactly as given: no BOS is added) or lists of token ids."""
-    max_tokens: int | None = 16
+    max_tokens: Int | None = 16
     """Tokens to generate; null means 16. 0 is allowed only with ``echo`` (prompt only)."""
-    logprobs: int | None = None
+    logprobs: Int | None = None
     """Top logprobs per token (the sampled token's is always included)."""
     echo: bool = False
     """Prepend the prompt to the text (and, with ``logprobs``, its logprobs; the first is null)."""
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     # vLLM extras
     add_special_tokens: bool = True
     """Tokenize a text prompt with the model's BOS policy."""
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
     """Logprobs of each prompt token, in the choice's ``prompt_logprobs`` (vLLM)."""
     return_token_ids: bool = False
     """Add ``prompt_token_ids`` and ``token_ids`` to each choice (vLLM)."""
@@ -98,7 +151,22 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    """Text, or a list of ``{"type": "text", "text": ...}`` parts (the only kind supported)."""
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"content part of type {kind!r} is not supported; allowed: ['text']"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a content part of type 'text' needs a string `text`")
+        return content
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -110,12 +178,12 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None
+    max_completion_tokens: Int | None = None
+    max_tokens: Int | None = None
     """Deprecated by OpenAI in favour of ``max_completion_tokens``; neither: the rest of the
     context."""
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -126,10 +194,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     """The chat template writes its own special tokens, so none are added by default."""
     chat_template: str | None = None
+    """A Jinja template to use instead of the model's: refused unless the server runs with
+    ``--trust-request-chat-template``."""
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize``: ``prompt`` (completion style) or ``messages`` (chat style)."""
 
     model: str | None = None
@@ -150,7 +220,7 @@ class TokenizeRequest(OpenAIBaseModel):
         return self
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize``."""
 
     model: str | None = None
@@ -163,6 +233,7 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeRequest",
     "OpenAIBaseModel",
+    "RequestBody",
     "ResponseFormat",
     "StreamOptions",
     "TokenizeRequest",

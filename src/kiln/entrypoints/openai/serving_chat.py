@@ -62,7 +62,8 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = dict(request.chat_template_kwargs or {})
         if request.tools is not None:
             template_kwargs.setdefault("tools", request.tools)
-        prompt = self.render_chat(
+        self.check_ready()
+        prompt = await self.render_chat(
             request.messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,

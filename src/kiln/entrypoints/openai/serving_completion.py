@@ -63,8 +63,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        if max_tokens == 0 and not request.echo:
-            raise OpenAIError("max_tokens must be at least 1, got 0.", param="max_tokens")
+        if max_tokens < 0 or (max_tokens == 0 and not request.echo):
+            raise OpenAIError(
+                f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}.",
+                param="max_tokens",
+            )
         # echo with max_tokens=0 returns the prompt only; the engine still makes one token.
         echo_only = request.echo and max_tokens == 0
         prompt_logprobs = request.prompt_logprobs
@@ -76,23 +79,26 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=request.logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        prompts = self._prompts(request)
+        self.check_ready()
+        prompts = await self._prompts(request)
         request_id = self.make_request_id("cmpl", request, raw)
         for prompt in prompts:
             self.check_length(len(prompt.token_ids), params.max_tokens)
             self.validate(request_id, prompt, params)
-        self.check_ready()
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:
-                    prompt.text = self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+                    prompt.text = await self.run_in_worker(
+                        self.tokenizer.decode, prompt.token_ids, False
+                    )
+        self.check_ready()
         ids, outputs = self.generate(request_id, prompts, params, request.priority)
         run = _Run(self, request, request_id, prompts, echo_only)
         if request.stream:
             return self.stream(ids, run.stream(outputs))
         return await self.respond(raw, ids, run.collect(outputs))
 
-    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
         if prompt is None or prompt == "" or prompt == []:
             raise OpenAIError(_EMPTY_PROMPT, param="prompt")
@@ -105,7 +111,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for i, item in enumerate(items):
             if isinstance(item, str):
-                token_ids = self.encode(item, request.add_special_tokens) if item else []
+                token_ids = await self.encode(item, request.add_special_tokens) if item else []
                 if not token_ids:
                     raise OpenAIError(_EMPTY_PROMPT, param="prompt")
                 prompts.append(Prompt(token_ids, item))

@@ -3,10 +3,14 @@ checks with vLLM's messages, sampling params from a request, validation before a
 starting the prompts' generators, and the JSON or SSE response (see ``streams``).
 
 Contract: a request is checked completely before the engine sees it (so a bad request is a 4xx
-even with ``stream: true``, before any byte of the stream); then each prompt runs as one
-``AsyncLLM.generate`` with ``RequestOutputKind.DELTA``. A client that disconnects cancels its
-generators, which aborts the requests in the engine core and frees their KV blocks (streaming:
-Starlette cancels the stream when the client disconnects; non-streaming:
+even with ``stream: true``, before any byte of the stream), and admitted (or refused with a 503)
+before its response starts; then each prompt runs as one ``AsyncLLM.generate`` with
+``RequestOutputKind.DELTA``, under an engine request id of its own (a client's ``request_id`` or
+``X-Request-Id`` names the response, and two requests may share it). Tokenizing and chat
+templates run in worker threads, never on the event loop, and a prompt too long to fit the
+context in any tokenization is refused before it is tokenized. A client that disconnects cancels
+its generators, which aborts the requests in the engine core and frees their KV blocks
+(streaming: Starlette cancels the stream when the client disconnects; non-streaming:
 ``streams.run_or_abort`` watches the connection).
 
 What it must not know: the engine's internals (it talks to ``AsyncLLM`` and its ``Frontend``).
@@ -14,12 +18,14 @@ What it must not know: the engine's internals (it talks to ``AsyncLLM`` and its 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -34,8 +40,25 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MIN_LOGPROB = -9999.0
 """Logprobs are clamped here (as vLLM), so -inf never reaches JSON."""
+MAX_WARNED_FIELDS = 64
+"""Unknown request field names remembered (and logged once each); later ones are not logged."""
+MAX_LOGGED_NAME_CHARS = 64
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the operator decides about requests (``kiln serve`` flags)."""
+
+    trust_request_chat_template: bool = False
+    """Render a ``chat_template`` sent in a request (Jinja from any client: off by default)."""
+    max_n: int = 128
+    """The most completions (``n``) one request may ask for (OpenAI's cap)."""
+    tokenizer_threads: int = 4
+    """Worker threads that tokenize and render chat templates off the event loop."""
 
 
 @dataclass
@@ -51,7 +74,16 @@ class ServerState:
     """Shutting down: new generation requests get 503."""
     active_request_ids: set[str] = field(default_factory=set)
     """Engine request ids of the generation requests in flight (aborted at shutdown)."""
+    options: ServerOptions = field(default_factory=ServerOptions)
     warned_fields: set[str] = field(default_factory=set)
+    """Unknown field names already logged (at most ``MAX_WARNED_FIELDS``)."""
+    executor: ThreadPoolExecutor = field(init=False)
+    """Where tokenizing and template rendering run."""
+
+    def __post_init__(self) -> None:
+        self.executor = ThreadPoolExecutor(
+            self.options.tokenizer_threads, thread_name_prefix="kiln-tokenize"
+        )
 
 
 @dataclass
@@ -127,11 +159,21 @@ class OpenAIServing:
             raise to_openai_error(QueueFullError("the waiting queue is full"))
 
     def note_unknown_fields(self, request: OpenAIBaseModel) -> None:
-        """Unknown fields are accepted; each name is logged once."""
-        new = [name for name in request.unknown_fields() if name not in self.state.warned_fields]
+        """Unknown fields are accepted; each name is logged once, the first
+        ``MAX_WARNED_FIELDS`` names only (clients can send any number of names)."""
+        warned = self.state.warned_fields
+        if len(warned) >= MAX_WARNED_FIELDS:
+            return
+        new = [name for name in request.unknown_fields() if name not in warned]
+        new = new[: MAX_WARNED_FIELDS - len(warned)]
         if new:
-            self.state.warned_fields.update(new)
-            logger.warning("ignoring request field(s) this server does not use: %s", new)
+            warned.update(new)
+            shown = [name[:MAX_LOGGED_NAME_CHARS] for name in new]
+            logger.warning("ignoring request field(s) this server does not use: %s", shown)
+
+    @property
+    def _prompt_param(self) -> str:
+        return "messages" if "messages" in self.request_fields else "prompt"
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raises a 400 with vLLM's messages when the prompt, or prompt plus ``max_tokens``, does
@@ -142,7 +184,7 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, your request "
                 f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
                 "messages.",
-                param="messages" if "messages" in self.request_fields else "prompt",
+                param=self._prompt_param,
             )
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
             raise OpenAIError(
@@ -171,10 +213,42 @@ class OpenAIServing:
 
     # -- building requests ----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a tokenizer thread: CPU work never runs on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.state.executor, fn, *args)
 
-    def render_chat(
+    def check_text_length(self, text: str) -> None:
+        """Raises the context-length 400 for a text that cannot fit the context however it
+        tokenizes: no token covers more characters than the tokenizer's longest token, so this
+        is decided without tokenizing."""
+        limit = self.max_model_len
+        if len(text) > limit * self.tokenizer.max_token_chars:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your request's "
+                f"text has {len(text)} characters, more than {limit} tokens can hold. Please "
+                "reduce the length of the input messages.",
+                param=self._prompt_param,
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids, tokenized in a worker thread after the length bound."""
+        self.check_text_length(text)
+        return await self.run_in_worker(self.tokenizer.encode, text, add_special_tokens)
+
+    def check_chat_template(
+        self, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
+    ) -> None:
+        """Raises a 400 for a request-supplied template (``chat_template``, or one in
+        ``chat_template_kwargs``) unless the operator allowed them."""
+        given = chat_template is not None or "chat_template" in (chat_template_kwargs or {})
+        if given and not self.state.options.trust_request_chat_template:
+            raise OpenAIError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
+
+    async def render_chat(
         self,
         messages: list[ChatMessage],
         *,
@@ -194,18 +268,27 @@ class OpenAIServing:
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 param="continue_final_message",
             )
-        try:
-            text = self.frontend.render_chat(
+        self.check_chat_template(chat_template, chat_template_kwargs)
+        kwargs = dict(chat_template_kwargs or {})
+        chat_template = kwargs.pop("chat_template", chat_template)
+
+        def render() -> str:
+            return self.frontend.render_chat(
                 [message.model_dump() for message in messages],
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs,
+                chat_template_kwargs=kwargs,
             )
+
+        try:
+            text = await self.run_in_worker(render)
         except ValueError as exc:
-            raise OpenAIError(str(exc), param="messages") from None
+            error = bad_request(exc, self.request_fields)
+            error.param = error.param or "messages"
+            raise error from None
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1])
-        token_ids = self.encode(text, add_special_tokens)
+        token_ids = await self.encode(text, add_special_tokens)
         if not token_ids:
             raise OpenAIError("the rendered conversation is empty", param="messages")
         return Prompt(token_ids, text)
@@ -223,6 +306,9 @@ class OpenAIServing:
         Raises:
             OpenAIError: 400 for any value ``SamplingParams`` rejects.
         """
+        max_n = self.state.options.max_n
+        if request.n > max_n:
+            raise OpenAIError(f"n must be at most {max_n}, got {request.n}", param="n")
         logit_bias = None
         if request.logit_bias:
             # vLLM clamps to OpenAI's range instead of refusing.
@@ -265,6 +351,7 @@ class OpenAIServing:
 
     @staticmethod
     def make_request_id(prefix: str, request: Any, raw: Request) -> str:
+        """The response's ``id``: the client's ``request_id`` or ``X-Request-Id``, else random."""
         given = request.request_id or raw.headers.get("x-request-id")
         return f"{prefix}-{given or uuid.uuid4().hex}"
 
@@ -273,17 +360,24 @@ class OpenAIServing:
     def generate(
         self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int
     ) -> tuple[list[str], AsyncIterator[tuple[int, RequestOutput]]]:
-        """The engine request ids and the merged outputs (``(prompt index, output)``) of
-        ``prompts``. Nothing runs until the iterator is iterated."""
-        ids = (
-            [request_id]
-            if len(prompts) == 1
-            else [f"{request_id}-{i}" for i in range(len(prompts))]
-        )
-        generators = [
-            self.llm.generate(prompt.for_engine(), params, rid, priority)
-            for rid, prompt in zip(ids, prompts, strict=True)
-        ]
+        """Admit ``prompts`` now; returns their engine request ids and merged outputs
+        (``(prompt index, output)``). The engine ids are unique even when clients reuse
+        ``request_id``.
+
+        Raises:
+            OpenAIError: 503 when the waiting queue is full or the engine is dead; nothing of
+                this request stays admitted.
+        """
+        base = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        generators: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for rid, prompt in zip(ids, prompts, strict=True):
+                generators.append(self.llm.generate(prompt.for_engine(), params, rid, priority))
+        except Exception as exc:
+            for rid in ids[: len(generators)]:
+                self.llm.release(rid)
+            raise to_openai_error(exc) from None
         return ids, merge_async_iterators(generators)
 
     @contextlib.contextmanager

@@ -38,22 +38,23 @@ class OpenAIServingModels(OpenAIServing):
 class OpenAIServingTokenization(OpenAIServing):
     request_fields = frozenset(TokenizeRequest.model_fields)
 
-    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         self.check_model(request.model)
         if request.messages is not None:
             add_special = bool(request.add_special_tokens)
-            token_ids = self.render_chat(
+            prompt = await self.render_chat(
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=add_special,
                 chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
-            ).token_ids
+            )
+            token_ids = prompt.token_ids
         else:
             assert request.prompt is not None
             add_special = request.add_special_tokens is not False
-            token_ids = self.encode(request.prompt, add_special)
+            token_ids = await self.encode(request.prompt, add_special)
         return {
             "count": len(token_ids),
             "max_model_len": self.max_model_len,
@@ -65,10 +66,11 @@ class OpenAIServingTokenization(OpenAIServing):
             ),
         }
 
-    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(request.model)
         self.check_token_ids(request.tokens, "tokens", param="tokens")
-        return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        text = await self.run_in_worker(self.tokenizer.decode, request.tokens, False)
+        return {"prompt": text}
 
 
 __all__ = ["OpenAIServingModels", "OpenAIServingTokenization"]
