@@ -52,6 +52,11 @@ class ModelConfig:
     """A Jinja chat template (a file path or the template text) replacing the model's."""
     max_logprobs: int = 20
     """The largest ``logprobs`` / ``top_logprobs`` a request may ask for."""
+    batch_invariant: bool = False
+    """Compute every request's tokens the same whatever else is in the batch: greedy output, and
+    seeded sampling, equal a run of the request alone. Costs throughput; a platform that cannot
+    honour it refuses it (the cpu platform: bfloat16 only). See ``SamplingParams.seed`` for what
+    else changes numerics (chunked prompts, prefix-cache hits, preemption)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "model.dtype", self.dtype, f"one of {list(_DTYPES)}")
@@ -62,6 +67,12 @@ class ModelConfig:
             "a positive integer or None",
         )
         _check(self.max_logprobs >= 0, "model.max_logprobs", self.max_logprobs, "an integer >= 0")
+        _check(
+            isinstance(self.batch_invariant, bool),
+            "model.batch_invariant",
+            self.batch_invariant,
+            "True or False",
+        )
 
 
 @dataclass(frozen=True)

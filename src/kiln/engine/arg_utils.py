@@ -34,6 +34,7 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     max_logprobs: int = 20
+    batch_invariant: bool = False
     block_size: int = 16
     kv_cache_memory: float | str | None = None
     """GiB (``2``, ``0.5``) or a percentage of free memory (``"40%"``)."""
@@ -69,6 +70,7 @@ class EngineArgs:
                 seed=self.seed,
                 chat_template=self.chat_template,
                 max_logprobs=self.max_logprobs,
+                batch_invariant=self.batch_invariant,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -129,6 +131,12 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--chat-template", default=None, help="a Jinja template file or text")
         g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request gets")
+        g.add_argument(
+            "--batch-invariant",
+            action="store_true",
+            help="each request's tokens do not depend on the rest of the batch (costs "
+            "throughput; cpu platform: bfloat16 only)",
+        )
         g = parser.add_argument_group("cache")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
         g.add_argument(

@@ -68,13 +68,17 @@ class CpuPlatform(Platform):
             # they are emulated and slower, so fp32 stays the default there.
             fast_bf16 = "bfloat16" in cls.supported_dtypes and has_native_bf16()
             config = config.replace(model__dtype="bfloat16" if fast_bf16 else "float32")
+        if config.model.batch_invariant:
+            _check_batch_invariant(config)
         return super().check_and_update_config(config)
 
     @classmethod
     def register_ops(cls) -> None:
+        from kiln.platforms.cpu_batch_invariant import register_batch_invariant_ops
         from kiln.platforms.cpu_ops import register_cpu_ops
 
         register_cpu_ops()
+        register_batch_invariant_ops()
 
     @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:
@@ -88,7 +92,33 @@ class CpuPlatform(Platform):
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
+        if config is not None and config.model.batch_invariant:
+            return (
+                "kiln.model_executor.layers.attention.backends.cpu_batch_invariant."
+                "CPUBatchInvariantAttentionBackend"
+            )
         return "kiln.model_executor.layers.attention.backends.cpu.CPUAttentionBackend"
+
+
+def _check_batch_invariant(config: KilnConfig) -> None:
+    """Batch invariance is built on oneDNN's bf16 matmul (``kiln.platforms.cpu_batch_invariant``);
+    float32 and float16 products here (MKL) give a row another result for another batch size.
+
+    Raises:
+        ValueError: another dtype, or no oneDNN bf16 on this CPU.
+    """
+    from kiln.platforms.cpu_ops import onednn_bf16_available
+
+    if config.model.dtype != "bfloat16":
+        raise ValueError(
+            f"model.batch_invariant=True is invalid with model.dtype={config.model.dtype!r}; "
+            "allowed on the cpu platform: dtype bfloat16 (or auto on a CPU with native bf16)"
+        )
+    if not onednn_bf16_available():
+        raise ValueError(
+            "model.batch_invariant=True is invalid here: the cpu platform needs oneDNN bfloat16 "
+            "support (a CPU with AVX512-BF16 or AMX), which this machine lacks"
+        )
 
 
 def has_native_bf16() -> bool:

@@ -19,7 +19,10 @@ layers split the output dimension, row-parallel ones the input dimension); only 
 implemented, and any other value raises ``NotImplementedError``.
 
 Every layer here is the custom op ``"linear"``: a provider may register a faster implementation
-for all of them at once. This module knows nothing about models, checkpoints or file formats.
+for all of them at once. A layer built under a config with ``model.batch_invariant`` has
+``batch_invariant = True``: an implementation that serves it must give each row the same result
+whatever the other rows are (how many, and which). This module knows nothing about models,
+checkpoints or file formats.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def default_weight_loader(
             f"shape {tuple(param.shape)}"
         )
     param.data.copy_(loaded_weight)
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether the model being built (``kiln.config.set_current_config``) is batch-invariant."""
+    from kiln.config import get_current_config
+
+    config = get_current_config()
+    return config is not None and config.model.batch_invariant
 
 
 def _check_tp(tp_size: int) -> None:
@@ -161,6 +172,8 @@ class LinearBase(CustomOp):
         self.output_partition_sizes = list(output_partition_sizes)
         self.output_size = sum(self.output_partition_sizes)
         self.prefix = prefix
+        # Read once at build time: providers check it per call (see the module docstring).
+        self.batch_invariant = batch_invariant_enabled()
         method = quant_config.get_linear_method(self, prefix) if quant_config else None
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
         self.quant_method.create_weights(
@@ -362,6 +375,7 @@ __all__ = [
     "ReplicatedLinear",
     "RowParallelLinear",
     "UnquantizedLinearMethod",
+    "batch_invariant_enabled",
     "default_weight_loader",
     "set_weight_attrs",
 ]

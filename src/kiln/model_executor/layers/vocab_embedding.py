@@ -10,7 +10,8 @@ Contract:
   (the last scheduled token of each request) before calling, so a 2,000-token prefill costs one
   row of the vocabulary matmul, not 2,000. The matmul runs in the model's dtype (converting the
   whole ``[vocab, hidden]`` matrix to float32 each step would cost more than the product); the
-  result is returned in float32 for the sampler.
+  result is returned in float32 for the sampler. Built under ``model.batch_invariant``, it has
+  ``batch_invariant = True``, with the same meaning as the linear layers' (``linear``).
 
 Tensor parallelism would split the vocabulary across ranks (``tp_size`` is the seam; only 1 is
 implemented). This module knows nothing about models, sampling or checkpoints.
@@ -23,7 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.model_executor.custom_op import CustomOp, register_op
-from kiln.model_executor.layers.linear import default_weight_loader, set_weight_attrs
+from kiln.model_executor.layers.linear import (
+    batch_invariant_enabled,
+    default_weight_loader,
+    set_weight_attrs,
+)
 
 
 def _check_tp(tp_size: int) -> None:
@@ -121,6 +126,7 @@ class LogitsProcessor(CustomOp):
         super().__init__()
         self.vocab_size = vocab_size
         self.scale = scale
+        self.batch_invariant = batch_invariant_enabled()
 
     def forward_native(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` [N, hidden] -> [N, vocab_size] float32."""
