@@ -88,7 +88,16 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1]."""
     seed: int | None = None
-    """Seed of the request's own random generator: same seed, same tokens, whatever the batch."""
+    """Seed of the request's own random generator: its draws do not depend on other requests.
+
+    Same seed (or greedy), same tokens, holds bit for bit whatever else is in the batch only in
+    batch-invariant mode (``--batch-invariant``, ``LLM(batch_invariant=True)``; cpu platform:
+    bfloat16) and only while the prompt is computed in one step without a prefix-cache hit and the
+    request is not preempted (chunked, cached and recomputed prompts take other attention paths).
+    Otherwise the logits' low bits depend on the batch: in bfloat16 (the cpu default where the CPU
+    has bf16) that changes tokens (8 of 32 greedy prompts run together differed from their runs
+    alone); in float32 the differences are tiny (32 of 32 equal) but not zero, so a near-tie can
+    still flip. On one machine, with the same threads and versions, a run repeats exactly."""
     stop: str | list[str] | None = None
     """Strings that end generation when generated (not included unless asked); a list after init."""
     stop_token_ids: list[int] | None = None
