@@ -82,6 +82,7 @@ MAX_PROMPTS = 4
 REQUEST_TIMEOUT_S = 30.0
 HEALTH_LATENCY_S = 5.0
 HEALTH_PERIOD_S = 0.25
+KEEP_ALIVE_IDLE_S = 4.0  # kiln serve closes a connection idle for 5 s
 COVERAGE_SHARE = 0.5
 BATCH = 25  # hypothesis examples per run; runs repeat until the family's budget is spent
 
@@ -396,7 +397,8 @@ class Outcome:
     by_status: dict[int, int] = field(default_factory=dict)
     skipped_known: dict[str, int] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
-    previous: tuple[str, str, bytes | None] | None = None
+    previous: tuple[str, str, bytes | None, float] | None = None
+    """The last request answered, and when."""
     seed: int = field(default_factory=lambda: SEED if SEED is not None else random.randrange(2**32))
     refusals: dict[str, int] = field(default_factory=dict)
 
@@ -454,7 +456,8 @@ def _send(http: httpx.Client, method: str, path: str, body: Any, headers: dict, 
     if content is not None:
         request_headers.setdefault("Content-Type", "application/json")
     out.sent += 1
-    previous, out.previous = out.previous, (method, path, content)
+    previous, out.previous = out.previous, None
+    started = time.monotonic()
     try:
         try:
             response, payload = _exchange(http, method, path, content, request_headers)
@@ -462,10 +465,13 @@ def _send(http: httpx.Client, method: str, path: str, body: Any, headers: dict, 
             if isinstance(exc, httpx.TimeoutException) or previous is None:
                 raise
             # A reset on a kept-alive connection is the previous answer's fault (the server
-            # closed the connection without saying so) when the same request works on a new one.
+            # closed the connection without saying so) when the same request works on a new one,
+            # unless the connection sat idle long enough for the server to close it.
             response, payload = _exchange(http, method, path, content, request_headers)
-            detail = f"the next request on the connection got {type(exc).__name__}: {exc}"
-            out.fail(Failure("keep-alive dropped", *previous, detail))
+            if started - previous[3] < KEEP_ALIVE_IDLE_S:
+                detail = f"the next request on the connection got {type(exc).__name__}: {exc}"
+                out.fail(Failure("keep-alive dropped", *previous[:3], detail))
+        out.previous = (method, path, content, time.monotonic())
     except httpx.TimeoutException as exc:
         out.fail(
             Failure("hang", method, path, content, f"no answer in {REQUEST_TIMEOUT_S} s: {exc}")
