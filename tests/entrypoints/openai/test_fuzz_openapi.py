@@ -110,20 +110,7 @@ SERVER_ARGS = [
 # ---------------------------------------------------------------------------------------------
 
 
-def _continues_no_message(path: str, body: Any) -> bool:
-    return (
-        path == "/tokenize"
-        and isinstance(body, dict)
-        and body.get("messages") == []
-        and bool(body.get("continue_final_message"))
-    )
-
-
-KNOWN_FAILURES: list[tuple[str, Callable[[str, Any], bool]]] = [
-    # {"messages": [], "continue_final_message": true, "add_generation_prompt": false}: 500
-    # IndexError in render_chat (chat completions refuses an empty `messages` before it).
-    ("/tokenize with continue_final_message and no message", _continues_no_message),
-]
+KNOWN_FAILURES: list[tuple[str, Callable[[str, Any], bool]]] = []
 
 
 def _known(path: str, body: Any) -> str | None:

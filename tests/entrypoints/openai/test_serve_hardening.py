@@ -129,6 +129,11 @@ def test_bad_content_parts_are_400(http: httpx.Client, content: list) -> None:
     assert error["param"].startswith("messages")
 
 
+def test_tokenize_needs_a_message(http: httpx.Client) -> None:
+    body = {"messages": [], "continue_final_message": True, "add_generation_prompt": False}
+    assert _error(http.post("/tokenize", json=body))["param"] == "messages"
+
+
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "tokenize"])
 def test_template_kwargs_that_collide_are_400(http: httpx.Client, name: str) -> None:
     error = _error(_chat(http, chat_template_kwargs={name: []}))

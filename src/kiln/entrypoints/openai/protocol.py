@@ -204,7 +204,7 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     """Default: True for ``prompt``, False for ``messages`` (as the two routes do)."""
     add_generation_prompt: bool = True
