@@ -44,6 +44,9 @@ def test_features_from_a_cpuinfo_file(tmp_path):
         "avx512_bf16": True,
         "amx": False,
     }
+    # AVX-512 here means the foundation plus the byte/word and vector-length extensions.
+    cpuinfo.write_text("flags\t\t: avx2 fma avx512f avx512vl\n")
+    assert cpu_features(str(cpuinfo))["avx512"] is False
     assert not any(cpu_features(str(tmp_path / "missing")).values())
 
 

@@ -1,6 +1,7 @@
 """The fused kernels against Kiln's reference ops (``forward_native``) beyond the kit's examples:
-odd sizes, strided inputs, the default model's real shapes and weights, and bfloat16 rounding
-that follows the reference's (bit-identical but for rare last-bit differences)."""
+odd sizes, strided inputs, the default model's real shapes and weights. add + RMSNorm and
+SiLU-and-mul are bit-identical; rotary follows the reference's roundings (float32 to float32
+precision, bfloat16 bit-identical but for rare last-bit differences)."""
 
 import pytest
 import torch
@@ -41,20 +42,21 @@ def test_rms_norm_with_and_without_residual(dtype, tokens, hidden):
     norm.weight.data.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
     x = (3 * torch.randn(tokens, hidden, generator=g)).to(dtype)
     residual = torch.randn(tokens, hidden, generator=g).to(dtype)
-    _check(ops.rms_norm(norm, x.clone()), norm.forward_native(x.clone()), dtype)
+    # The reference's ops in its order: bitwise equal in both dtypes (Kiln's layer tests hold the
+    # norm to bitwise equality with Hugging Face's).
+    assert torch.equal(ops.rms_norm(norm, x.clone()), norm.forward_native(x.clone()))
     got, got_sum = ops.rms_norm(norm, x.clone(), residual.clone())
     want, want_sum = norm.forward_native(x.clone(), residual.clone())
-    _check(got, want, dtype)
-    assert torch.equal(got_sum, want_sum)  # the residual sum is one rounding: exact
+    assert torch.equal(got, want) and torch.equal(got_sum, want_sum)
 
 
 def test_rms_norm_per_head_and_strided_input():
     g = _gen(1)
     norm = RMSNorm(32, 1e-6)
     x = torch.randn(5, 4, 32, generator=g)  # Qwen3's q/k norm: [T, H, D]
-    _check(ops.rms_norm(norm, x), norm.forward_native(x), torch.float32)
+    assert torch.equal(ops.rms_norm(norm, x), norm.forward_native(x))
     wide = torch.randn(6, 64, generator=g)[:, :32]  # rows with a stride of 64
-    _check(ops.rms_norm(norm, wide), norm.forward_native(wide), torch.float32)
+    assert torch.equal(ops.rms_norm(norm, wide), norm.forward_native(wide))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,4 +107,4 @@ def test_the_default_models_norm_weights(gguf_path):
     x, residual = torch.randn(2, 16, weight.numel(), generator=_gen(7))
     got, _ = ops.rms_norm(norm, x, residual)
     want, _ = norm.forward_native(x, residual)
-    _check(got, want, torch.float32)
+    assert torch.equal(got, want)

@@ -5,7 +5,7 @@ import pytest
 from kiln_x86.binding import BindingPlan, format_cpu_list, plan_binding
 from kiln_x86.options import X86Options, parse_cpu_list
 
-from kiln.testing import plugin_report
+from kiln.testing import plugin_report, run_python
 
 pytestmark = pytest.mark.plugin
 
@@ -81,3 +81,26 @@ def test_plugin_config_errors_reach_kiln_plugins():
     assert rc == 0, report.get("error")
     fields = [row["field"] for row in report["plugin_config"]["x86"]]
     assert fields == ["num_threads", "cpus", "reserved_cpus"]
+
+
+CPU_SECTION_ALIAS = """
+from kiln.config import KilnConfig, PluginConfig
+from kiln.platforms import current_platform
+from kiln.plugins import init_process
+config = init_process("api", KilnConfig(plugins=PluginConfig(sections={SECTIONS})))
+print(current_platform.name, current_platform.options(config).num_threads)
+"""
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        ({"cpu": {"num_threads": 1}}, "x86 1"),
+        ({"cpu": {"num_threads": 1}, "x86": {"num_threads": 2, "cpus": "none"}}, "x86 2"),
+    ],
+)
+def test_the_reference_platforms_thread_flag_still_works(sections, expected):
+    # README's `--plugin-config '{"cpu": {"num_threads": N}}'`; x86's own field wins when given.
+    proc = run_python(["-c", CPU_SECTION_ALIAS.replace("{SECTIONS}", repr(sections))])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == expected.split()

@@ -3,9 +3,10 @@
 Contract: each function has the signature and result of the op's ``forward_native``
 (``kiln.model_executor.layers``): ``rms_norm(op, x, residual=None)`` -> normed or
 ``(normed, x + residual)``; ``rotary_embedding(op, positions, query, key)`` -> rotated
-``(query, key)``; ``silu_and_mul(op, x)`` -> ``silu(x[..., :d]) * x[..., d:]``. Their rounding
-follows the reference's, so float32 results agree to float32 precision and bfloat16 ones are the
-reference's bit for bit in all but rare last-bit cases (the conformance kit compares them).
+``(query, key)``; ``silu_and_mul(op, x)`` -> ``silu(x[..., :d]) * x[..., d:]``. add + RMSNorm and
+SiLU-and-mul run the reference's ATen ops in its order (bit-identical results); the rotary kernel
+rounds where the reference rounds (float32 to float32 precision, bfloat16 bit for bit in all but
+rare last-bit cases). The conformance kit compares each with ``forward_native``.
 
 ``register_x86_ops()`` registers the C++ kernels (``kiln_x86.kernels``) under provider
 ``kiln_x86``, for float32 and bfloat16 CPU tensors; where they cannot be built nothing is

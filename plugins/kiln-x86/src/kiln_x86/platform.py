@@ -9,16 +9,18 @@ oneDNN bf16 matmuls, the CPU paged-attention backend) through the public Platfor
   (``kiln_x86.binding``), per the ``x86`` config section (``kiln_x86.options.X86Options``);
 - ``register_ops``: the reference platform's ops, then the fused x86 ones (``kiln_x86.ops``),
   registered for device type ``cpu`` only in processes where this platform was selected, so the
-  reference ``--platform cpu`` never runs them.
+  reference ``--platform cpu`` never runs them; and the reference's ``cpu`` config section, whose
+  ``num_threads`` stands in for an unset ``x86.num_threads``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from kiln.platforms.cpu import CpuPlatform
+from kiln.platforms.cpu import CpuOptions, CpuPlatform
 from kiln_x86.binding import (
     USABLE_CPUS_ENV,
     format_cpu_list,
@@ -35,11 +37,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CPU_SECTION = "cpu"
+
 
 class X86Platform(CpuPlatform):
     name = "x86"
     device_type = "cpu"
     config_section = X86Options
+    supports_graph_capture = True
+
+    @classmethod
+    def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
+        # Decode buckets are opt-in (--graph-capture-sizes 1,2,4,8,16): compiling one takes
+        # minutes on a first start (kiln_x86.graph), which every engine start would pay.
+        if config.device.graph_capture_sizes is None:
+            config = config.replace(device__graph_capture_sizes=())
+        return super().check_and_update_config(config)
+
+    @classmethod
+    def get_graph_wrapper_cls(cls) -> str:
+        return "kiln_x86.graph.CompiledGraphWrapper"
 
     @classmethod
     def device_info(cls) -> dict[str, Any]:
@@ -51,9 +68,15 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def options(cls, config: KilnConfig) -> X86Options:
+        """The ``x86`` section; ``cpu.num_threads`` (the reference platform's documented flag)
+        stands in for an unset ``x86.num_threads``."""
         from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 
-        return PLUGIN_CONFIG_REGISTRY.get(cls.name, config)
+        options = PLUGIN_CONFIG_REGISTRY.get(cls.name, config)
+        cpu_threads = config.plugins.sections.get(CPU_SECTION, {}).get("num_threads")
+        if options.num_threads is None and cpu_threads is not None:
+            options = dataclasses.replace(options, num_threads=cpu_threads)
+        return options
 
     @classmethod
     def init_process(cls, role: str, config: KilnConfig) -> None:
@@ -87,7 +110,11 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def register_ops(cls) -> None:
+        from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
         from kiln_x86.ops import register_x86_ops
 
         super().register_ops()
         register_x86_ops()
+        # Accept the reference platform's section too, so that its documented
+        # --plugin-config '{"cpu": {"num_threads": N}}' keeps working where x86 is selected.
+        PLUGIN_CONFIG_REGISTRY.declare(CPU_SECTION, CpuOptions)
