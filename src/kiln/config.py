@@ -189,6 +189,21 @@ class DeviceConfig:
     """Dotted path of the device communicator class (filled by the platform)."""
     graph_wrapper_cls: str = AUTO
     """Dotted path of the graph-capture wrapper class (filled by the platform)."""
+    graph_capture_sizes: tuple[int, ...] | None = None
+    """Decode batch sizes (buckets) the graph wrapper captures at start-up; a decode step of
+    ``n`` requests is padded to the smallest bucket ``>= n``, and other steps (prefill, mixed,
+    above the largest bucket) run eagerly. ``None``: the platform's choice, which is none where it
+    captures nothing (``supports_graph_capture = False``), else 1, 2, 4, 8, 16, then every 16, up
+    to ``max_num_seqs`` (see ``kiln.worker.graph.graph_capture_sizes``); ``()``: no capture."""
+
+    def __post_init__(self) -> None:
+        sizes = self.graph_capture_sizes
+        _check(
+            sizes is None or all(isinstance(s, int) and s >= 1 for s in sizes),
+            "device.graph_capture_sizes",
+            sizes,
+            "None or a tuple of integers >= 1",
+        )
 
 
 CLASS_FIELDS = (

@@ -12,7 +12,7 @@ metadata builder returned.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -30,6 +30,9 @@ class ForwardContext:
     """Tokens in the model's input (may exceed the scheduled tokens when the input is padded)."""
     virtual_engine: int = 0
     """Pipeline-parallel virtual engine index; 0 without pipeline parallelism."""
+    attention_layers: Mapping[str, Any] | None = None
+    """The model's ``Attention`` layers by layer name, set by the model runner: inside a compiled
+    graph attention is one opaque op (``kiln::unified_attention``) that finds its layer here."""
 
 
 _forward_context: ContextVar[ForwardContext | None] = ContextVar(

@@ -46,6 +46,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     platform: str | None = None
+    graph_capture_sizes: list[int] | str | None = None
+    """Decode buckets the graph wrapper captures: a list or ``"1,2,4"`` (``""``: none);
+    None: the platform's choice."""
     plugin_config: str | dict[str, Any] | None = field(default=None)
 
     def create_config(self) -> KilnConfig:
@@ -87,7 +90,10 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
-            device=DeviceConfig(platform=self.platform),
+            device=DeviceConfig(
+                platform=self.platform,
+                graph_capture_sizes=parse_graph_capture_sizes(self.graph_capture_sizes),
+            ),
             plugins=PluginConfig(sections=sections),
         )
 
@@ -174,6 +180,13 @@ class EngineArgs:
         g = parser.add_argument_group("plugins")
         g.add_argument("--platform", default=None, help="force a platform (also KILN_PLATFORM)")
         g.add_argument(
+            "--graph-capture-sizes",
+            default=None,
+            metavar="N,N,...",
+            help="decode batch sizes the platform's graph wrapper captures at start-up (each "
+            "decode step is padded to the next one; '' for none; default: the platform's)",
+        )
+        g.add_argument(
             "--plugin-config",
             default=None,
             metavar="JSON",
@@ -199,3 +212,26 @@ def parse_kv_cache_memory(value: float | str | None) -> dict[str, float | None]:
             f"kv_cache_memory={value!r} is invalid; allowed: a size in GiB like 2 or 0.5, or a "
             "share of free memory like 40%"
         ) from None
+
+
+def parse_graph_capture_sizes(
+    value: list[int] | tuple[int, ...] | str | None,
+) -> tuple[int, ...] | None:
+    """``--graph-capture-sizes``: ``"1,2,4"`` or a list of ints; ``""`` is no sizes.
+
+    Raises:
+        ValueError: an entry is not an integer >= 1.
+    """
+    if value is None:
+        return None
+    items = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+    sizes = []
+    for item in items:
+        size = int(item) if isinstance(item, int) or str(item).isdigit() else 0
+        if size < 1:
+            raise ValueError(
+                f"graph_capture_sizes={value!r} is invalid; allowed: batch sizes >= 1 like "
+                "'1,2,4,8' or [1, 2, 4, 8], or '' for none"
+            )
+        sizes.append(size)
+    return tuple(sizes)

@@ -43,7 +43,10 @@ class EngineCore:
                 f"{bytes_per_block} bytes per block); give the KV cache more memory"
             )
         self.num_blocks = num_blocks
-        self.executor.initialize_cache(num_blocks)
+        warmup_start = time.perf_counter()
+        self.executor.initialize_cache(num_blocks)  # also warms up and captures graphs
+        # Shown in kiln serve's banner: capture may compile for minutes on a first start.
+        self.warmup_seconds = time.perf_counter() - warmup_start
         self.config = config
         scheduler_cls = resolve_class("scheduler_cls", config.device.scheduler_cls)
         self.scheduler = scheduler_cls(config, num_blocks)
@@ -59,7 +62,12 @@ class EngineCore:
                 num_tokens,
                 max_model_len,
             )
-        logger.info("engine core ready in %.1f s", time.perf_counter() - start)
+        self.startup_seconds = time.perf_counter() - start  # load, KV cache, warm-up, capture
+        logger.info(
+            "engine core ready in %.1f s (warm-up and graph capture %.1f s)",
+            self.startup_seconds,
+            self.warmup_seconds,
+        )
 
     @property
     def max_model_len(self) -> int:

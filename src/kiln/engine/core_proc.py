@@ -47,6 +47,10 @@ class ReadyMessage(msgspec.Struct):
     num_blocks: int
     platform: str
     pid: int
+    startup_s: float = 0.0
+    """``EngineCore.startup_seconds``: load, KV cache, warm-up and graph capture."""
+    warmup_s: float = 0.0
+    """``EngineCore.warmup_seconds``: warm-up and graph capture (compiles, if any)."""
 
 
 class StartupError(msgspec.Struct):
@@ -127,6 +131,8 @@ def run_engine_core(
             engine.num_blocks,
             current_platform.name,
             os.getpid(),
+            startup_s=engine.startup_seconds,
+            warmup_s=engine.warmup_seconds,
         )
         outputs.send_multipart([READY, encoder.encode(ready)])
     except Exception:

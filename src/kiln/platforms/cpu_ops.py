@@ -56,9 +56,12 @@ def _is_dense_bf16(x: torch.Tensor, weight: Any) -> bool:
 def _linear_supports(op: Any, x: torch.Tensor) -> bool:
     from kiln.model_executor.layers.linear import UnquantizedLinearMethod
 
-    # Only dense weights: a quantized method owns its own product.
-    return type(op.quant_method) is UnquantizedLinearMethod and _is_dense_bf16(
-        x, getattr(op, "weight", None)
+    # Only dense weights: a quantized method owns its own product. Not under torch.compile: the
+    # cached packed copy cannot be traced, and the compiler packs weights itself (freezing).
+    return (
+        type(op.quant_method) is UnquantizedLinearMethod
+        and _is_dense_bf16(x, getattr(op, "weight", None))
+        and not torch.compiler.is_compiling()
     )
 
 

@@ -1,8 +1,32 @@
-"""Graph-capture wrappers: how a platform replays a model step without Python overhead.
+"""Graph wrappers: how a platform runs decode steps without per-op Python overhead.
 
-The model runner wraps its model with the platform's ``graph_wrapper_cls``; ``capture`` records one
-graph per batch size the runner will pad to, and ``__call__`` replays the matching graph or runs
-eagerly. CPUs have nothing to capture: ``EagerGraphWrapper`` calls the model directly.
+The model runner wraps its model with the platform's ``graph_wrapper_cls`` and routes decode steps
+through it, padded to a few fixed batch sizes (buckets), so a wrapper can prepare one static graph
+per bucket at start-up (record, compile or fuse it) and replay it for every step.
+
+Contract between the runner (``kiln.worker.model_runner``) and a wrapper:
+
+- ``wrapper_cls(runnable, config)`` once, after the model is loaded. ``runnable`` is the model:
+  ``runnable(input_ids [T], positions [T]) -> hidden_states [T, hidden]``; attention layers read
+  the step's metadata from the forward context (``kiln.forward_context``) at run time.
+- ``capture(sizes)`` once at start-up, after the KV cache is bound, with the buckets in ascending
+  order (``graph_capture_sizes``). Then the runner calls the wrapper once per bucket, largest
+  first, with a dummy decode step of that many requests whose keys and values go to the reserved
+  null block (``kiln.core.kv_cache.NULL_BLOCK_ID``): a wrapper that records or compiles on first
+  call does it there, so no step while serving pays for it.
+- ``wrapper(input_ids, positions)`` only for decode steps (one new token per request) padded to a
+  bucket: ``T`` is a bucket, the first ``num_actual_tokens`` rows (the attention metadata's) are
+  the requests, the rest are padding (token 0 at position 0). Padding rows have no KV-cache slot:
+  attention writes only the first ``num_actual_tokens`` keys and values and returns zeros past
+  them (``AttentionImpl.forward``), so padding never touches a real request's cache or rows. The
+  runner reads only the real rows of the result. Rows must equal the eager model's up to the
+  rounding of a different kernel order.
+- Every other step (prefill, mixed prefill and decode, more requests than the largest bucket) runs
+  the model eagerly without the wrapper, so a wrapper never sees a shape it did not capture. A
+  wrapper called with another size anyway must run ``runnable`` eagerly.
+
+``EagerGraphWrapper`` (the reference ``cpu`` platform's) captures nothing: every call runs the
+model directly, and with ``graph_capture_sizes=None`` the runner does not pad at all.
 """
 
 from __future__ import annotations
@@ -13,17 +37,55 @@ from typing import Any
 
 from kiln.config import KilnConfig
 
+DEFAULT_SMALL_SIZES = (1, 2, 4, 8, 16)
+"""Default buckets below ``DEFAULT_SIZE_STEP``; past it, every ``DEFAULT_SIZE_STEP`` requests."""
+DEFAULT_SIZE_STEP = 16
+
+
+def graph_capture_sizes(config: KilnConfig, supports_graph_capture: bool) -> list[int]:
+    """The buckets decode steps are padded to, ascending; empty: no capture, no padding.
+
+    ``device.graph_capture_sizes`` when set (sizes above ``max_num_seqs`` dropped, since no step
+    has more requests); else none when the platform captures nothing, else 1, 2, 4, 8, 16, then
+    every 16 up to ``max_num_seqs``, and ``max_num_seqs`` itself (so every decode step fits).
+    """
+    max_num_seqs = config.scheduler.max_num_seqs
+    sizes = config.device.graph_capture_sizes
+    if sizes is None:
+        if not supports_graph_capture:
+            return []
+        sizes = (
+            *DEFAULT_SMALL_SIZES,
+            *range(2 * DEFAULT_SIZE_STEP, max_num_seqs, DEFAULT_SIZE_STEP),
+        )
+        sizes = (*sizes, max_num_seqs)
+    return sorted({s for s in sizes if s <= max_num_seqs})
+
+
+def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
+    """The smallest bucket of ``sizes`` (ascending) that holds ``num_tokens``, or None."""
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    return None
+
 
 class GraphWrapper(ABC):
+    """Runs the model's decode steps from captured graphs; see the module docstring."""
+
     @abstractmethod
     def __init__(self, runnable: Callable[..., Any], config: KilnConfig) -> None: ...
 
     @abstractmethod
     def capture(self, num_tokens: Sequence[int]) -> None:
-        """Record graphs for these padded token counts (a no-op where nothing is captured)."""
+        """Prepare graphs for these padded token counts (a no-op where nothing is captured).
+
+        The runner follows it with one dummy decode call per size, largest first.
+        """
 
     @abstractmethod
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``runnable(*args, **kwargs)``, from the captured graph of the input's size if any."""
 
 
 class EagerGraphWrapper(GraphWrapper):

@@ -6,6 +6,11 @@ model inside a forward context, computes logits for the last scheduled token of 
 for prompt positions of requests that asked for prompt logprobs), (4) samples, and (5) reads the
 result back with one host sync. It is device-agnostic PyTorch: platforms reuse it or subclass it.
 
+Graphs: decode steps (one new token per request) of at most the largest bucket are padded to the
+smallest bucket that holds them and run through the platform's graph wrapper, which
+``capture_model`` prepared at start-up; every other step runs the model eagerly. The contract is in
+``kiln.worker.graph``; with the reference platform's defaults there are no buckets and no padding.
+
 It knows nothing about scheduling policy or text; the platform's attention backend, graph wrapper
 and device come from the config and the platform.
 """
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 from kiln.config import KilnConfig, set_current_config
+from kiln.core.kv_cache import NULL_BLOCK_ID
 from kiln.core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
@@ -35,6 +41,7 @@ from kiln.model_executor.loader import resolve_model_ref
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
 from kiln.sampling.sampler import Sampler, compute_prompt_logprobs
 from kiln.utils import resolve_obj_by_qualname
+from kiln.worker.graph import graph_capture_sizes, padded_size
 from kiln.worker.input_batch import InputBatch
 from kiln.worker.worker_base import ModelRunnerBase
 
@@ -52,6 +59,8 @@ class ModelRunner(ModelRunnerBase):
         self.attn_backend = resolve_attn_backend(config.device.attention_backend)
         self.sampler = Sampler()
         self.model: Any = None
+        self.graph_sizes: list[int] = []
+        """Decode buckets, ascending (empty: no graphs, no padding); set by ``load_model``."""
         self.hf_config: dict[str, Any] = {}
         self.max_model_len = 0
         self.input_batch: InputBatch | None = None
@@ -68,9 +77,12 @@ class ModelRunner(ModelRunnerBase):
                 self.device,
                 self.config.model.load_format,
             )
+        from kiln.platforms import current_platform
+
         wrapper_cls = resolve_obj_by_qualname(self.config.device.graph_wrapper_cls)
         self.model = model
         self.runnable = wrapper_cls(model, self.config)
+        self.graph_sizes = graph_capture_sizes(self.config, current_platform.supports_graph_capture)
         model_len = int(self.hf_config.get("max_position_embeddings") or 2048)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
         self.vocab_size = int(self.hf_config["vocab_size"])
@@ -87,6 +99,7 @@ class ModelRunner(ModelRunnerBase):
             # Zeros: backends may read unwritten slots under a mask, which must stay finite.
             self.kv_caches[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_caches)
+        self.attention_layers = self.model.attention_layers()
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
             self.config.scheduler.max_num_seqs,
@@ -118,8 +131,20 @@ class ModelRunner(ModelRunnerBase):
         input_ids, positions, common = self._prepare_inputs(rows, num_scheduled)
         attn_metadata = self.metadata_builder.build(common)
         logits_indices = common.query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
-        with set_forward_context(ForwardContext(attn_metadata, num_tokens=len(input_ids))):
-            hidden_states = self.runnable(input_ids, positions)  # [num_tokens, hidden]
+        num_tokens = len(input_ids)
+        # Only uniform decodes replay a graph: a prefill's shape is not a bucket's.
+        graph_size = padded_size(self.graph_sizes, num_tokens) if num_tokens == len(rows) else None
+        model = self.model
+        if graph_size is not None:
+            # Padding rows get no KV slot (the metadata covers the real tokens only); see graph.py.
+            input_ids = _pad(input_ids, graph_size)
+            positions = _pad(positions, graph_size)
+            model = self.runnable
+        context = ForwardContext(
+            attn_metadata, len(input_ids), attention_layers=self.attention_layers
+        )
+        with set_forward_context(context):
+            hidden_states = model(input_ids, positions)  # [num_tokens (padded), hidden]
             logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, V]
 
         # A request still inside its prompt after this step samples nothing; its generator must
@@ -260,9 +285,37 @@ class ModelRunner(ModelRunnerBase):
                 )
         return result
 
+    def capture_model(self) -> None:
+        """Capture the graph wrapper's buckets: ``capture``, then one dummy decode per bucket.
+
+        Each dummy step decodes ``size`` one-token requests whose keys and values go to the null
+        block, which no request owns; nothing else in the KV cache is written.
+        """
+        if not self.graph_sizes:
+            return
+        self.runnable.capture(list(self.graph_sizes))
+        null_table = [NULL_BLOCK_ID]
+        for size in reversed(self.graph_sizes):
+            common = CommonAttentionMetadata.from_block_tables(
+                [1] * size, [0] * size, [null_table] * size, self.block_size
+            )
+            attn_metadata = self.metadata_builder.build(common)
+            input_ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+            positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+            context = ForwardContext(attn_metadata, size, attention_layers=self.attention_layers)
+            with set_forward_context(context):
+                self.runnable(input_ids, positions)
+
     def dummy_run(self, num_tokens: int) -> None:
         """Run the model once without attention metadata (warm-up; attention returns zeros)."""
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
         with set_forward_context(ForwardContext(None, num_tokens=num_tokens)):
             self.runnable(input_ids, positions)
+
+
+def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` [n] followed by zeros up to [size]."""
+    out = x.new_zeros(size)
+    out[: x.shape[0]] = x
+    return out

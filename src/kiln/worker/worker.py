@@ -80,6 +80,16 @@ class Worker(WorkerBase):
     def compile_or_warm_up_model(self) -> None:
         with self.platform.inference_mode():
             self.model_runner.dummy_run(min(16, self.config.scheduler.max_num_batched_tokens))
+            sizes = self.model_runner.graph_sizes
+            if sizes:
+                start = time.perf_counter()
+                self.model_runner.capture_model()
+                logger.info(
+                    "graphs for decode batch sizes %s captured in %.1f s (%s)",
+                    sizes,
+                    time.perf_counter() - start,
+                    self.config.device.graph_wrapper_cls,
+                )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         with self.platform.inference_mode():

@@ -304,6 +304,7 @@ def _banner(llm: AsyncLLM, state: ServerState, url: str, api_keys: Sequence[str]
             f"Kiln {kiln.__version__} is serving {state.model_name}",
             f"  model      {state.model_path}",
             f"  platform   {ready.platform} (engine core pid {ready.pid})",
+            f"  start-up   {ready.startup_s:.1f} s (warm-up, graph capture {ready.warmup_s:.1f} s)",
             f"  KV cache   {ready.kv_cache_tokens:,} tokens ({ready.num_blocks:,} blocks of "
             f"{block_size}); max_model_len {llm.max_model_len:,}, so {concurrency:.2f}x "
             "concurrency at full length",

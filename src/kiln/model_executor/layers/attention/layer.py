@@ -8,6 +8,12 @@ cache from ``self.kv_cache``, which the model runner binds once, after allocatin
 
 The layer knows nothing about the kernels; the backend class comes from the caller or from
 ``get_attn_backend()`` (the platform's choice).
+
+Under ``torch.compile`` (a platform's graph wrapper, ``kiln.worker.graph``) the layer is one
+opaque op, ``torch.ops.kiln.unified_attention(query, key, value, layer_name)``: its metadata
+changes every step, so the compiler must not trace into it. The op runs the layer eagerly at run
+time, finding it by name in the forward context's ``attention_layers`` (a name, not the object, so
+a compiled graph is the same in every process and the on-disk compile cache can reuse it).
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class Attention(nn.Module):
         Raises:
             RuntimeError: outside a forward context, or no KV cache is bound to this layer.
         """
+        if torch.compiler.is_compiling():
+            return torch.ops.kiln.unified_attention(query, key, value, self.layer_name)
         context = get_forward_context()
         num_tokens = query.shape[0]
         if context.attn_metadata is None:
@@ -113,6 +121,35 @@ class Attention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
             f"backend={self.backend.get_name()}"
         )
+
+
+@torch.library.custom_op("kiln::unified_attention", mutates_args=())
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    """``Attention.forward`` of the layer named ``layer_name``, as an op compilers do not enter.
+
+    Raises:
+        RuntimeError: the forward context has no ``attention_layers``, or not this layer.
+
+    Side effects:
+        writes the step's keys and values into that layer's KV cache (the cache is not an input of
+        the compiled graph, so the compiler has nothing to order around the write).
+    """
+    layers = get_forward_context().attention_layers
+    if layers is None or layer_name not in layers:
+        raise RuntimeError(
+            f"attention layer {layer_name!r} is not in the forward context's attention_layers; "
+            "a compiled model must run inside a ForwardContext(attention_layers=...)"
+        )
+    return layers[layer_name](query, key, value)
+
+
+@unified_attention.register_fake
+def _unified_attention_fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query[0].numel())  # [num_tokens, num_heads * head_size]
 
 
 def get_attention_layers(model: nn.Module) -> dict[str, Attention]:
