@@ -69,7 +69,12 @@ def _batch_vs_solo(llm: LLM, params: SamplingParams | list[SamplingParams]) -> l
 
 
 # -- the acceptance bar, through LLM -------------------------------------------------------------
+# 33 generate calls each; on a shared 2-core machine one took over 600 s (a few minutes idle).
+LLM_TIMEOUT_S = 1800
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(LLM_TIMEOUT_S)
 def test_float32_batch_of_32_matches_each_prompt_alone(gguf_path):
     llm = _llm(dtype="float32")
     assert _batch_vs_solo(llm, GREEDY) == []
@@ -81,6 +86,7 @@ def batch_invariant_llm(gguf_path) -> LLM:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LLM_TIMEOUT_S)
 @needs_bf16
 def test_batch_invariant_bf16_batch_of_32_matches_each_prompt_alone(batch_invariant_llm):
     config = batch_invariant_llm.llm_engine.config
@@ -89,6 +95,7 @@ def test_batch_invariant_bf16_batch_of_32_matches_each_prompt_alone(batch_invari
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LLM_TIMEOUT_S)
 @needs_bf16
 def test_batch_invariant_bf16_seeded_sampling_matches_each_prompt_alone(batch_invariant_llm):
     seeded = [
