@@ -83,15 +83,23 @@ class RecordingWrapper(EagerGraphWrapper):
 
 @pytest.fixture(scope="module")
 def bucketed_llm(gguf_path: str) -> LLM:
-    return LLM(
-        gguf_path,
-        dtype="float32",
-        kv_cache_memory=0.25,
-        max_model_len=1024,
-        max_num_seqs=MAX_NUM_SEQS,
-        graph_capture_sizes=list(BUCKETS),
-        platform="cpu",
-    )
+    try:
+        return LLM(
+            gguf_path,
+            dtype="float32",
+            kv_cache_memory=0.25,
+            max_model_len=1024,
+            max_num_seqs=MAX_NUM_SEQS,
+            graph_capture_sizes=list(BUCKETS),
+            platform="cpu",
+        )
+    except Exception as exc:
+        # TODO(#8): run these in a fresh process. A process selects its platform once: when an
+        # installed plugin (kiln-x86) was selected by an earlier test, the reference cpu
+        # platform cannot be; run this file alone (`pytest tests/worker/test_graph_buckets.py`).
+        if "already selected" in str(exc):
+            pytest.skip(f"needs the cpu platform in this process: {exc}")
+        raise
 
 
 def _runner(llm: LLM) -> Any:
