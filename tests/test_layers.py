@@ -1,0 +1,64 @@
+"""Imports between Kiln's packages go down the layers of ``scripts/measure.py`` (``LAYERS``), never
+up: a module may import its own layer and the layers below it."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _measure():
+    spec = importlib.util.spec_from_file_location("kiln_measure", ROOT / "scripts" / "measure.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+measure = _measure()
+
+KNOWN_UPWARD = {
+    # TODO(#10): wire types live in kiln.engine.
+    ("core", "engine"),
+    ("worker", "engine"),
+    # TODO(#10): the platform is picked from inside a forward / a layer's constructor.
+    ("model_executor", "platforms"),
+    # TODO(#10): platforms reach the plugin manager (lazy imports in platforms/).
+    ("platforms", "plugins"),
+}
+"""Upward arrows that exist today and are being removed; nothing may join them."""
+
+
+def test_no_new_upward_import():
+    upward = measure.upward_arrows()
+    new = {arrow: where for arrow, where in upward.items() if arrow not in KNOWN_UPWARD}
+    assert not new, f"imports into a higher layer (see LAYERS in scripts/measure.py): {new}"
+
+
+def test_every_unit_has_a_layer():
+    for a, b in measure.import_arrows():
+        measure.layer_of(a)
+        measure.layer_of(b)
+
+
+def test_an_upward_import_is_found(tmp_path):
+    package = tmp_path / "kiln"
+    (package / "core").mkdir(parents=True)
+    (package / "engine").mkdir()
+    (package / "core" / "request.py").write_text("def f():\n    from kiln.engine import x\n")
+    (package / "engine" / "__init__.py").write_text("from kiln.core.request import f\n")
+    assert measure.upward_arrows(package) == {("core", "engine"): ["kiln/core/request.py:2"]}
+
+
+def test_a_unit_on_its_own_sits_in_its_own_layer():
+    assert measure.unit_of("plugins.registry") == "plugins.registry"
+    assert measure.unit_of("plugins.manager") == "plugins"
+    assert measure.layer_of("plugins.registry") < measure.layer_of("model_executor")
+    with pytest.raises(ValueError, match="no layer"):
+        measure.layer_of("nowhere")
