@@ -43,6 +43,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         error = f"{type(exc).__name__}: {exc}"
         manager.discover()
     report = build_report(manager, config if error is None else None)
+    if error is None:
+        error = _class_errors(report)
     if error:
         report["error"] = error
     if args.json:
@@ -51,6 +53,21 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_report(report))
     return 1 if error else 0
+
+
+def _class_errors(report: dict) -> str | None:
+    """One line per named class that does not resolve or fails its interface check, naming the
+    config field and who set it (the platform, or the user's config), or None when all are ok."""
+    platform = (report.get("platform") or {}).get("name", "?")
+    set_by_platform = {change["field"] for change in report["config_changes"]}
+    lines = []
+    for c in report["classes"]:
+        if c["status"] == "ok":
+            continue
+        field = f"device.{c['field']}"
+        who = f"platform {platform!r}" if field in set_by_platform else "the config"
+        lines.append(f"{field} = {c['class']} (set by {who}): {c['status']}")
+    return "; ".join(lines) or None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,9 @@ class Platform:
     api_version: ClassVar[str] = PLATFORM_API_VERSION
     """The contract version this platform was written against."""
     name: ClassVar[str] = "unspecified"
-    """Short name, used by ``--platform`` and in logs."""
+    """Short name, used by ``--platform``, ``KILN_PLATFORM``, ``--plugin-config`` and in logs. It
+    must equal the name of the ``kiln.platform_plugins`` entry point whose detector returns this
+    class (Kiln refuses the platform at selection otherwise)."""
     device_type: ClassVar[str] = "cpu"
     """The torch device type of its tensors ("cpu", "cuda", "npu"...); custom ops dispatch on it."""
     dist_backend: ClassVar[str] = "gloo"

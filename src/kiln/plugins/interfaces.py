@@ -4,7 +4,13 @@ A platform names classes by dotted path (``worker_cls``, ``attention_backend``..
 crash deep in a worker when a method is missing or takes other arguments, Kiln resolves each name
 once and compares the class with its interface: every public method of the interface must exist
 and accept the interface's parameters (same positional names in order; extra parameters only with
-defaults). Subclassing the interface is not required; matching it is.
+defaults).
+
+Subclassing: not required for the worker, model runner, scheduler, communicator and graph wrapper
+(matching the interface is enough); REQUIRED for the attention backend, which must subclass
+``AttentionBackend`` and is checked by ``validate_attention_backend`` (its impl and metadata
+builder classes too). ``resolve_class`` applies exactly the check the core applies when it uses
+the class, so ``kiln plugins`` and the conformance kit say "ok" only for what will run.
 """
 
 from __future__ import annotations
@@ -23,6 +29,12 @@ INTERFACES: dict[str, str] = {
     "graph_wrapper_cls": "kiln.worker.graph.GraphWrapper",
 }
 """Config field -> the interface its class must implement."""
+
+VALIDATORS: dict[str, str] = {
+    "attention_backend": "kiln.model_executor.layers.attention.backend.validate_attention_backend",
+}
+"""Config fields whose class the core checks with its own validator instead of
+``check_implements``; the validator raises ``TypeError`` naming what is wrong."""
 
 
 class InterfaceError(TypeError):
@@ -134,5 +146,11 @@ def resolve_class(field: str, qualname: str) -> type:
         InterfaceError: the class does not implement the field's interface.
     """
     cls = resolve_obj_by_qualname(qualname)
+    if field in VALIDATORS:
+        try:
+            resolve_obj_by_qualname(VALIDATORS[field])(cls)
+        except TypeError as exc:
+            raise InterfaceError(str(exc)) from None
+        return cls
     check_implements(cls, resolve_obj_by_qualname(INTERFACES[field]))
     return cls

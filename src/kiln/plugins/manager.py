@@ -112,7 +112,8 @@ class PluginManager:
             if forced not in by_name:
                 raise PlatformSelectionError(
                     f"platform {forced!r} (from --platform / {PLATFORM_ENV}) is not installed; "
-                    f"available: {sorted(by_name)}"
+                    f"available: {sorted(by_name)} (the names of the kiln.platform_plugins "
+                    "entry points, which equal each platform's Platform.name)"
                 )
             for record in self.platform_records:
                 if record.name != forced:
@@ -187,6 +188,14 @@ class PluginManager:
         except InterfaceError as exc:
             record.status = "refused"
             raise PlatformSelectionError(f"platform {record.name!r}: {exc}") from exc
+        if platform_cls.name != record.name:
+            record.status = "refused"
+            raise PlatformSelectionError(
+                f"platform {record.name!r} ({record.distribution}): {record.detail}.name is "
+                f"{platform_cls.name!r}, but its entry point is named {record.name!r}; they must "
+                "be equal (the entry-point name is what --platform, KILN_PLATFORM and "
+                "--plugin-config use): rename one of them"
+            )
         if platform_cls.config_section is not None:
             with registering_as(record.name):
                 PLUGIN_CONFIG_REGISTRY.declare(record.name, platform_cls.config_section)

@@ -2,6 +2,7 @@
 
 Environment variables switch each behaviour on, so the package can stay installed:
 - KILN_TEST_PLATFORM=1          the ``kiln_test`` platform activates
+- KILN_TEST_PLATFORM=misnamed   ... as a class whose ``Platform.name`` differs from the entry point
 - KILN_TEST_PLATFORM_B=1        a second out-of-tree platform activates too
 - KILN_TEST_OLD_API=1           a platform written for platform API 0.x activates
 - KILN_TEST_BROKEN_DETECTOR=1   the ``kiln_test_broken`` detector raises
@@ -10,6 +11,9 @@ Environment variables switch each behaviour on, so the package can stay installe
 - KILN_TEST_WRONG_OP=1          the general plugin also registers a wrong op implementation
 - KILN_TEST_BAD_CLASS=missing|signature     the platform names a communicator that does not
                                             implement the interface
+- KILN_TEST_BAD_CLASS=unresolvable          ... a communicator path that does not resolve
+- KILN_TEST_BAD_CLASS=attention             ... an attention backend that does not subclass
+                                            ``AttentionBackend``
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ REGISTER_CALLS: list[int] = []
 
 
 def detect_test_platform() -> str | None:
+    if os.environ.get("KILN_TEST_PLATFORM") == "misnamed":
+        return "kiln_test_plugin.platform.MisnamedPlatform"
     return (
         "kiln_test_plugin.platform.TestPlatform" if os.environ.get("KILN_TEST_PLATFORM") else None
     )

@@ -10,6 +10,7 @@ import torch
 
 from kiln.core.sched.scheduler import Scheduler
 from kiln.distributed.communicator import TorchDistCommunicator
+from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
 from kiln.worker.graph import EagerGraphWrapper
 from kiln.worker.model_runner import ModelRunner
 from kiln.worker.worker import Worker
@@ -57,6 +58,16 @@ class CommunicatorWrongSignature(CommunicatorMissingMethod):
         return tensor
 
     def barrier(self) -> None: ...
+
+
+class DuckTypedAttentionBackend:
+    """Kiln's CPU attention backend's methods without subclassing ``AttentionBackend``: refused,
+    since attention backends must subclass it."""
+
+    get_name = staticmethod(CPUAttentionBackend.get_name)
+    get_impl_cls = staticmethod(CPUAttentionBackend.get_impl_cls)
+    get_metadata_builder_cls = staticmethod(CPUAttentionBackend.get_metadata_builder_cls)
+    get_kv_cache_shape = staticmethod(CPUAttentionBackend.get_kv_cache_shape)
 
 
 class CountingGraphWrapper(EagerGraphWrapper):

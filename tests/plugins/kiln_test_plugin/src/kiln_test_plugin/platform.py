@@ -20,7 +20,12 @@ class TestPlatform(CpuPlatform):
         communicator = {
             "missing": "kiln_test_plugin.classes.CommunicatorMissingMethod",
             "signature": "kiln_test_plugin.classes.CommunicatorWrongSignature",
+            "unresolvable": "kiln_test_plugin.classes.NoSuchCommunicator",
         }.get(bad or "", "kiln_test_plugin.classes.LoggingCommunicator")
+        if bad == "attention":
+            config = config.replace(
+                device__attention_backend="kiln_test_plugin.classes.DuckTypedAttentionBackend"
+            )
         config = config.replace(
             device__worker_cls="kiln_test_plugin.classes.TestWorker",
             device__model_runner_cls="kiln_test_plugin.classes.TestModelRunner",
@@ -39,3 +44,9 @@ class SecondPlatform(CpuPlatform):
 class OldApiPlatform(CpuPlatform):
     name = "kiln_test_old"
     api_version = "0.9"
+
+
+class MisnamedPlatform(CpuPlatform):
+    """Returned by the ``kiln_test`` entry point, but named otherwise: Kiln refuses it."""
+
+    name = "kiln_test_device"

@@ -1,0 +1,60 @@
+"""The bugs a plugin author hit (issue 11, section 1), each through the path the author takes:
+``kiln plugins`` or ``LLM`` in a fresh process with the test plugin's platform."""
+
+import pytest
+
+from kiln.testing import plugin_report
+
+pytestmark = pytest.mark.plugin
+
+
+def test_an_attention_backend_that_does_not_subclass_the_interface_is_not_ok():
+    # The core refuses it when it builds the model; kiln plugins must not say "ok" first.
+    rc, report = plugin_report(env={"KILN_TEST_PLATFORM": "1", "KILN_TEST_BAD_CLASS": "attention"})
+    classes = {c["field"]: c["status"] for c in report["classes"]}
+    assert "must subclass AttentionBackend" in classes["attention_backend"]
+    assert rc == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "needle"),
+    [
+        ("missing", "communicator_cls", "lacks method 'barrier'"),
+        ("attention", "attention_backend", "must subclass AttentionBackend"),
+    ],
+)
+def test_kiln_plugins_exits_non_zero_naming_the_field_and_the_platform(kind, field, needle):
+    rc, report = plugin_report(env={"KILN_TEST_PLATFORM": "1", "KILN_TEST_BAD_CLASS": kind})
+    assert rc == 1
+    assert f"device.{field} = kiln_test_plugin.classes." in report["error"]
+    assert "set by platform 'kiln_test'" in report["error"]
+    assert needle in report["error"]
+
+
+def test_a_dotted_path_that_does_not_resolve_exits_non_zero():
+    rc, report = plugin_report(
+        env={"KILN_TEST_PLATFORM": "1", "KILN_TEST_BAD_CLASS": "unresolvable"}
+    )
+    assert rc == 1
+    assert (
+        "device.communicator_cls = kiln_test_plugin.classes.NoSuchCommunicator" in (report["error"])
+    )
+
+
+def test_a_platform_named_otherwise_than_its_entry_point_is_refused_naming_both():
+    rc, report = plugin_report(env={"KILN_TEST_PLATFORM": "misnamed"})
+    assert rc == 1
+    assert "PlatformSelectionError" in report["error"]
+    assert "MisnamedPlatform.name is 'kiln_test_device'" in report["error"]
+    assert "entry point is named 'kiln_test'" in report["error"]
+    record = next(r for r in report["platform_plugins"] if r["name"] == "kiln_test")
+    assert record["status"] == "refused"
+
+
+def test_forcing_a_platform_by_a_name_that_is_no_entry_point_says_which_names_count():
+    rc, report = plugin_report("kiln_test_device", env={"KILN_TEST_PLATFORM": "misnamed"})
+    assert rc == 1
+    assert (
+        "'kiln_test_device' (from --platform / KILN_PLATFORM) is not installed" in (report["error"])
+    )
+    assert "names of the kiln.platform_plugins entry points" in report["error"]
