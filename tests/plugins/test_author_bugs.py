@@ -3,7 +3,7 @@
 
 import pytest
 
-from kiln.testing import plugin_report
+from kiln.testing import plugin_report, run_python
 
 pytestmark = pytest.mark.plugin
 
@@ -58,3 +58,23 @@ def test_forcing_a_platform_by_a_name_that_is_no_entry_point_says_which_names_co
         "'kiln_test_device' (from --platform / KILN_PLATFORM) is not installed" in (report["error"])
     )
     assert "names of the kiln.platform_plugins entry points" in report["error"]
+
+
+GENERATE_TWO_TOKENS = """
+from kiln import LLM, SamplingParams
+llm = LLM(platform="kiln_test", dtype="float32", kv_cache_memory=0.05, max_model_len=64)
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+print(len(out[0].outputs[0].token_ids))
+"""
+
+
+def test_a_model_runner_with_exactly_the_interface_serves_through_the_reference_worker():
+    # The reference Worker once read runner members outside ModelRunnerBase (max_model_len,
+    # dummy_run): a runner that implemented just the interface passed every check, then crashed.
+    env = {"KILN_TEST_PLATFORM": "1", "KILN_TEST_RUNNER": "interface-only"}
+    rc, report = plugin_report(env=env)
+    assert rc == 0, report.get("error")
+    assert {c["field"]: c["status"] for c in report["classes"]}["model_runner_cls"] == "ok"
+    proc = run_python(["-c", GENERATE_TWO_TOKENS], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "2"

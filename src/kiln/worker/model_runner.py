@@ -285,14 +285,15 @@ class ModelRunner(ModelRunnerBase):
                 )
         return result
 
-    def capture_model(self) -> None:
-        """Capture the graph wrapper's buckets: ``capture``, then one dummy decode per bucket.
+    def capture_model(self) -> list[int]:
+        """Capture the graph wrapper's buckets: ``capture``, then one dummy decode per bucket;
+        returns the buckets (empty: nothing to capture).
 
         Each dummy step decodes ``size`` one-token requests whose keys and values go to the null
         block, which no request owns; nothing else in the KV cache is written.
         """
         if not self.graph_sizes:
-            return
+            return []
         self.runnable.capture(list(self.graph_sizes))
         null_table = [NULL_BLOCK_ID]
         for size in reversed(self.graph_sizes):
@@ -305,6 +306,10 @@ class ModelRunner(ModelRunnerBase):
             context = ForwardContext(attn_metadata, size, attention_layers=self.attention_layers)
             with set_forward_context(context):
                 self.runnable(input_ids, positions)
+        return list(self.graph_sizes)
+
+    def get_max_model_len(self) -> int:
+        return self.max_model_len
 
     def dummy_run(self, num_tokens: int) -> None:
         """Run the model once without attention metadata (warm-up; attention returns zeros)."""

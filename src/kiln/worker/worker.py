@@ -80,10 +80,9 @@ class Worker(WorkerBase):
     def compile_or_warm_up_model(self) -> None:
         with self.platform.inference_mode():
             self.model_runner.dummy_run(min(16, self.config.scheduler.max_num_batched_tokens))
-            sizes = self.model_runner.graph_sizes
+            start = time.perf_counter()
+            sizes = self.model_runner.capture_model()
             if sizes:
-                start = time.perf_counter()
-                self.model_runner.capture_model()
                 logger.info(
                     "graphs for decode batch sizes %s captured in %.1f s (%s)",
                     sizes,
@@ -103,4 +102,4 @@ class Worker(WorkerBase):
         return self.model_runner.get_kv_cache_bytes_per_block()
 
     def get_max_model_len(self) -> int:
-        return self.model_runner.max_model_len
+        return self.model_runner.get_max_model_len()

@@ -8,7 +8,9 @@ returns a ``ModelRunnerOutput`` (token ids, logprobs). Both cross no process bou
 executors call them with plain dataclasses.
 
 Kiln checks, when it resolves the names, that a platform's classes have these methods with these
-parameters; subclassing is optional.
+parameters; subclassing is optional. These are exactly the members the core calls: the reference
+``Worker`` uses nothing of its model runner beyond ``ModelRunnerBase``, and executors nothing of a
+worker beyond ``WorkerBase``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ class ModelRunnerBase(ABC):
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer and bind them to the attention layers."""
+
+    @abstractmethod
+    def get_max_model_len(self) -> int:
+        """The context length of the loaded model (capped by ``model.max_model_len``); valid
+        after ``load_model``."""
+
+    @abstractmethod
+    def dummy_run(self, num_tokens: int) -> None:
+        """Run the model once on ``num_tokens`` dummy tokens without attention metadata (a
+        warm-up before serving; attention layers return zeros and write no KV cache)."""
+
+    @abstractmethod
+    def capture_model(self) -> list[int]:
+        """Capture or compile the graph wrapper's decode buckets before serving; returns the
+        batch sizes captured (empty when the platform captures nothing). Runs after
+        ``initialize_kv_cache``."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: Any) -> Any:

@@ -11,6 +11,8 @@ Environment variables switch each behaviour on, so the package can stay installe
 - KILN_TEST_WRONG_OP=1          the general plugin also registers a wrong op implementation
 - KILN_TEST_BAD_CLASS=missing|signature     the platform names a communicator that does not
                                             implement the interface
+- KILN_TEST_RUNNER=interface-only          the platform names a model runner with exactly
+                                            ``ModelRunnerBase``'s members
 - KILN_TEST_BAD_CLASS=unresolvable          ... a communicator path that does not resolve
 - KILN_TEST_BAD_CLASS=attention             ... an attention backend that does not subclass
                                             ``AttentionBackend``

@@ -8,16 +8,47 @@ from typing import Any
 
 import torch
 
+from kiln.config import KilnConfig
 from kiln.core.sched.scheduler import Scheduler
 from kiln.distributed.communicator import TorchDistCommunicator
 from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
 from kiln.worker.graph import EagerGraphWrapper
 from kiln.worker.model_runner import ModelRunner
 from kiln.worker.worker import Worker
+from kiln.worker.worker_base import ModelRunnerBase
 
 
 class TestModelRunner(ModelRunner):
     """Kiln's model runner under the plugin's own name (a real platform would specialise it)."""
+
+
+class InterfaceOnlyModelRunner(ModelRunnerBase):
+    """A runner with exactly ``ModelRunnerBase``'s members (delegating to Kiln's): the worker
+    must need nothing more."""
+
+    def __init__(self, config: KilnConfig, device: torch.device) -> None:
+        self._runner = ModelRunner(config, device)
+
+    def load_model(self) -> None:
+        self._runner.load_model()
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return self._runner.get_kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._runner.initialize_kv_cache(num_blocks)
+
+    def get_max_model_len(self) -> int:
+        return self._runner.get_max_model_len()
+
+    def dummy_run(self, num_tokens: int) -> None:
+        self._runner.dummy_run(num_tokens)
+
+    def capture_model(self) -> list[int]:
+        return self._runner.capture_model()
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self._runner.execute_model(scheduler_output)
 
 
 class TestWorker(Worker):

@@ -28,7 +28,11 @@ class TestPlatform(CpuPlatform):
             )
         config = config.replace(
             device__worker_cls="kiln_test_plugin.classes.TestWorker",
-            device__model_runner_cls="kiln_test_plugin.classes.TestModelRunner",
+            device__model_runner_cls=(
+                "kiln_test_plugin.classes.InterfaceOnlyModelRunner"
+                if os.environ.get("KILN_TEST_RUNNER") == "interface-only"
+                else "kiln_test_plugin.classes.TestModelRunner"
+            ),
             device__scheduler_cls="kiln_test_plugin.classes.TestScheduler",
             device__communicator_cls=communicator,
             device__graph_wrapper_cls="kiln_test_plugin.classes.CountingGraphWrapper",
