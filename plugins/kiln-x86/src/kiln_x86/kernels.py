@@ -7,7 +7,8 @@ with ``torch.utils.cpp_extension.load`` into a cache directory that later proces
 compiled for this CPU (``-march=native``), so its name carries the instruction sets found, and a
 machine with other ones builds its own. It returns None, once logged, when the build fails (no
 compiler): callers then keep the reference implementations. ``python -m kiln_x86.kernels``
-builds it ahead of time (Kiln's set-up script does).
+builds it ahead of time (Kiln's set-up script does). ``load_extension(stem, source)`` builds
+and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kiln_x86.attention``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ CACHE_ENV = "KILN_X86_CACHE_DIR"
 SOURCE = Path(__file__).parent / "csrc" / "x86_ops.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 
+ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "x86_attention.cpp"
+
 _STATE: dict[str, ModuleType | None] = {}
 
 
@@ -38,24 +41,31 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def extension_name() -> str:
-    """``kiln_x86_ops_<isa>_<hash of source and flags>``: one build per CPU kind and source."""
+def extension_name(stem: str = "kiln_x86_ops", source: Path = SOURCE) -> str:
+    """``<stem>_<isa>_<hash of source and flags>``: one build per CPU kind and source."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
-    return f"kiln_x86_ops_{isa}_{digest}"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    return f"{stem}_{isa}_{digest}"
 
 
 def load_kernels() -> ModuleType | None:
     """The compiled kernels (built into the cache on first use), or None if they cannot be
     built here."""
-    if "module" in _STATE:
-        return _STATE["module"]
-    name = extension_name()
+    return load_extension("kiln_x86_ops", SOURCE)
+
+
+def load_extension(stem: str, source: Path) -> ModuleType | None:
+    """The C++ extension built from ``source`` (into the cache on first use, named after
+    ``stem``), or None, once logged, if it cannot be built here."""
+    if stem in _STATE:
+        return _STATE[stem]
+    name = extension_name(stem, source)
     build_dir = cache_dir() / name
     cached = any(build_dir.glob(f"{name}*.so")) if build_dir.exists() else False
     if not cached:
         logger.warning(
-            "kiln-x86: compiling its C++ kernels into %s (once per machine; about a minute)",
+            "kiln-x86: compiling its C++ kernels (%s) into %s (once per machine; about a minute)",
+            source.name,
             build_dir,
         )
     start = time.perf_counter()
@@ -71,7 +81,7 @@ def load_kernels() -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=CFLAGS,
             build_directory=str(build_dir),
             verbose=False,
@@ -82,12 +92,12 @@ def load_kernels() -> ModuleType | None:
     else:
         if not cached:
             logger.warning("kiln-x86: kernels built in %.0f s", time.perf_counter() - start)
-    _STATE["module"] = module
+    _STATE[stem] = module
     return module
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = load_kernels()
+    built = load_kernels() and load_extension("kiln_x86_attention", ATTENTION_SOURCE)
     print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
     raise SystemExit(0 if built else 1)

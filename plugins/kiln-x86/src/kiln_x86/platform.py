@@ -7,6 +7,7 @@ oneDNN bf16 matmuls, the CPU paged-attention backend) through the public Platfor
 - ``init_process``: in ``kiln serve``'s API server, pins it to the reserved cores, if any;
 - ``init_worker_process``: sizes torch's thread pool and pins each model thread to its core
   (``kiln_x86.binding``), per the ``x86`` config section (``kiln_x86.options.X86Options``);
+- ``get_attn_backend_cls``: paged attention over the KV cache in place (``kiln_x86.attention``);
 - ``register_ops``: the reference platform's ops, then the fused x86 ones (``kiln_x86.ops``),
   registered for device type ``cpu`` only in processes where this platform was selected, so the
   reference ``--platform cpu`` never runs them; and the reference's ``cpu`` config section, whose
@@ -53,6 +54,14 @@ class X86Platform(CpuPlatform):
         if config.device.graph_capture_sizes is None:
             config = config.replace(device__graph_capture_sizes=())
         return super().check_and_update_config(config)
+
+    @classmethod
+    def get_attn_backend_cls(cls, config: KilnConfig) -> str:
+        # Batch-invariant mode keeps the reference's backend (the kernel splits long decodes by
+        # batch size), and float16 too (the kernel runs float32 and bfloat16).
+        if config is not None and (config.model.batch_invariant or config.model.dtype == "float16"):
+            return super().get_attn_backend_cls(config)
+        return "kiln_x86.attention.X86AttentionBackend"
 
     @classmethod
     def get_graph_wrapper_cls(cls) -> str:

@@ -1,0 +1,180 @@
+"""kiln-x86's attention backend: paged attention over the KV cache in place, in C++.
+
+Contract: Kiln's ``AttentionBackend`` (``kiln.model_executor.layers.attention.backend``) with the
+reference CPU backend's cache layout, ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+(keys, then values), so caches, block tables and slot mappings are the core's. ``forward`` writes
+the step's keys and values into the cache at their slots (as the reference does: one
+``index_copy_`` each), then one C++ call (``csrc/x86_attention.cpp``) attends every request of the
+step, decodes and prefills in any order, over its context where it lies in the cache: blocks are
+read through the block table, never gathered into a copy; a prefill with a cached prefix (a
+prefix-cache hit, a later chunk of a long prompt) attends over the cached blocks plus its new
+tokens with the causal offset. Grouped-query heads share each K/V read; softmax and accumulation
+are float32 for float32 and bfloat16 caches.
+
+The metadata is the core's tensors, made contiguous int32 once per step. Where the kernels cannot
+be built (no compiler) the backend logs it once and runs the reference CPU backend instead.
+Float16 models and batch-invariant mode keep the reference backends (the platform names them):
+the kernel handles float32 and bfloat16, and it splits long decodes over the context by batch
+size, which batch invariance forbids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kiln.model_executor.layers.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from kiln_x86.kernels import ATTENTION_SOURCE, load_extension
+
+EXTENSION = "kiln_x86_attention"
+
+
+def load_attention_kernels() -> ModuleType | None:
+    """The compiled attention kernel (built on first use), or None where it cannot be built."""
+    return load_extension(EXTENSION, ATTENTION_SOURCE)
+
+
+def _reference_backend() -> type[AttentionBackend]:
+    # The reference platform's backend, which X86Platform's parent names; only without a compiler.
+    from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+@dataclass
+class X86AttentionMetadata:
+    """The step's batch as the kernel reads it (CPU tensors, built once per step)."""
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    """[num_actual_tokens] int64: each new token's cache slot."""
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int32: context after the step, the new tokens included."""
+    block_table: torch.Tensor
+    """[num_reqs, max_num_blocks_per_req] int32, contiguous."""
+
+
+class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
+    """The core's metadata as contiguous int32 tensors (or the reference's, without kernels)."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(block_size, device)
+        self.reference: AttentionMetadataBuilder[Any] | None = None
+        if load_attention_kernels() is None:
+            self.reference = _reference_backend().get_metadata_builder_cls()(block_size, device)
+
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        if self.reference is not None:
+            return self.reference.build(common)
+        n = common.num_reqs
+        return X86AttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens].to(torch.int64),
+            query_start_loc=common.query_start_loc[: n + 1].to(torch.int32).contiguous(),
+            seq_lens=common.seq_lens[:n].to(torch.int32).contiguous(),
+            block_table=common.block_table[:n].to(torch.int32).contiguous(),
+        )
+
+
+class X86AttentionImpl(AttentionImpl[Any]):
+    """One layer's paged attention through the C++ kernel; see the module docstring."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.kernels = load_attention_kernels()
+        self.reference: AttentionImpl[Any] | None = None
+        if self.kernels is None:
+            self.reference = _reference_backend().get_impl_cls()(
+                num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window
+            )
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        if self.reference is not None:
+            return self.reference.forward(layer, query, key, value, kv_cache, attn_metadata)
+        md: X86AttentionMetadata = attn_metadata
+        num_tokens, n = query.shape[0], md.num_actual_tokens
+        key_cache, value_cache = kv_cache.unbind(0)  # each [num_blocks, block_size, Hkv, D]
+        # [num_blocks * block_size, Hkv, D] views; slots are rows.
+        key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(
+            0, md.slot_mapping, key[:n].to(key_cache.dtype)
+        )
+        value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(
+            0, md.slot_mapping, value[:n].to(value_cache.dtype)
+        )
+        out = query.new_empty(num_tokens, self.num_heads, self.head_size, dtype=key_cache.dtype)
+        if num_tokens > n:
+            out[n:].zero_()
+        self.kernels.paged_attention(
+            out,
+            query.to(key_cache.dtype),
+            key_cache,
+            value_cache,
+            md.block_table,
+            md.query_start_loc,
+            md.seq_lens,
+            self.scale,
+            self.sliding_window or 0,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_size).to(query.dtype)
+
+
+class X86AttentionBackend(AttentionBackend):
+    """kiln-x86's paged attention (``X86Platform.get_attn_backend_cls``)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "X86_PAGED"
+
+    @staticmethod
+    def get_impl_cls() -> type[X86AttentionImpl]:
+        return X86AttentionImpl
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[X86AttentionMetadataBuilder]:
+        return X86AttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+__all__ = [
+    "X86AttentionBackend",
+    "X86AttentionImpl",
+    "X86AttentionMetadata",
+    "X86AttentionMetadataBuilder",
+    "load_attention_kernels",
+]

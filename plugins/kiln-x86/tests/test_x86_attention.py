@@ -1,0 +1,193 @@
+"""kiln-x86's paged attention against Kiln's reference CPU backend, on random paged caches.
+
+Each case builds one step's batch (requests with a cached context of random keys and values in
+shuffled blocks, and their new tokens), runs both backends' ``forward`` on copies of the same
+cache, and compares the outputs and the written caches. Slots no request owns hold a large
+sentinel (the reference masks them; reading one unmasked wrecks the output); the x86 kernel, which
+must never read them at all, also runs with NaN there. float32 must agree to float32 precision;
+bfloat16 is compared with the reference run in float32 on the same bfloat16 values: the kernel
+accumulates in float32 and rounds only its output, so it must be within bfloat16 rounding of that
+(the reference's own bfloat16 path rounds scores and probabilities to bfloat16 too, and is
+further off).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kiln_x86.attention import X86AttentionBackend, load_attention_kernels
+
+from kiln.model_executor.layers.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    validate_attention_backend,
+)
+from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
+
+pytestmark = pytest.mark.skipif(
+    load_attention_kernels() is None, reason="kiln-x86's attention kernel cannot be built here"
+)
+
+SENTINEL = 50.0
+
+
+def run_step(
+    backend: type[AttentionBackend],
+    cache: torch.Tensor,
+    common: CommonAttentionMetadata,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    block_size = cache.shape[2]
+    impl = backend.get_impl_cls()(
+        num_heads, head_size, head_size**-0.5, num_kv_heads, sliding_window=sliding_window
+    )
+    metadata = backend.get_metadata_builder_cls()(block_size, "cpu").build(common)
+    q, k, v = qkv
+    return impl.forward(None, q, k, v, cache, metadata)
+
+
+def make_step(
+    contexts: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    num_padding: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, CommonAttentionMetadata, tuple[torch.Tensor, ...]]:
+    """A cache holding each request's cached tokens, and the step's metadata and inputs.
+
+    Args:
+        contexts: per request, (num_computed, query_len), in batch order.
+        num_padding: input rows past the requests' tokens (a padded batch).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-(c + q) // block_size) for c, q in contexts]
+    num_blocks = sum(blocks_needed) + 3  # a few blocks nobody owns
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables, start = [], 0
+    for n in blocks_needed:
+        tables.append(ids[start : start + n])
+        start += n
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), SENTINEL)
+    for (computed, _), table in zip(contexts, tables, strict=True):
+        for pos in range(computed):
+            block, offset = table[pos // block_size], pos % block_size
+            cache[:, block, offset] = torch.randn(2, num_kv_heads, head_size, generator=gen)
+    query_lens = [q for _, q in contexts]
+    common = CommonAttentionMetadata.from_block_tables(
+        query_lens, [c for c, _ in contexts], tables, block_size
+    )
+    num_tokens = sum(query_lens) + num_padding
+    q = torch.randn(num_tokens, num_heads, head_size, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+    return cache.to(dtype), common, (q.to(dtype), k.to(dtype), v.to(dtype))
+
+
+def check_against_reference(
+    contexts: list[tuple[int, int]],
+    num_heads: int = 9,
+    num_kv_heads: int = 3,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> None:
+    cache, common, qkv = make_step(contexts, num_heads, num_kv_heads, dtype=dtype, **kwargs)
+    head_size = cache.shape[-1]
+    args = (common, num_heads, num_kv_heads, head_size, sliding_window)
+    x86_cache = cache.clone()
+    out = run_step(X86AttentionBackend, x86_cache, common, qkv, *args[1:])
+    # Reference in float32 on the same (possibly bfloat16) values.
+    ref_cache = cache.float()
+    qkv32 = tuple(t.float() for t in qkv)
+    ref = run_step(CPUAttentionBackend, ref_cache, common, qkv32, *args[1:])
+
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(x86_cache.float(), ref_cache, atol=0, rtol=0)
+    n = common.num_actual_tokens
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    else:
+        # Within the output's bfloat16 rounding (half an ulp, 2^-9 relative) of float32 maths.
+        torch.testing.assert_close(out.float(), ref, atol=1e-3, rtol=2**-8)
+
+    # Unowned and not-yet-written slots are never read: NaN there changes nothing.
+    nan_cache = cache.clone()
+    written = torch.zeros(nan_cache[0].numel() // nan_cache[0, 0, 0].numel(), dtype=torch.bool)
+    written[common.slot_mapping] = True
+    owned = (cache != SENTINEL).any(-1).any(-1).any(0).flatten() | written
+    nan_cache.view(2, -1, num_kv_heads, head_size)[:, ~owned] = float("nan")
+    out_nan = run_step(X86AttentionBackend, nan_cache, common, qkv, *args[1:])
+    assert torch.equal(out_nan, out)
+
+
+HEADS = [(9, 3), (5, 5), (6, 2)]  # SmolLM2's GQA (group 3, odd heads), MHA, GQA on even heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_decode_batch_of_mixed_lengths(dtype, num_heads: int, num_kv_heads: int) -> None:
+    # Contexts of 1, the block edges (15, 16, 17 tokens after the step) and a long one.
+    contexts = [(0, 1), (14, 1), (15, 1), (16, 1), (700, 1), (40, 1)]
+    check_against_reference(contexts, num_heads, num_kv_heads, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len", [300, 1024, 1500])
+def test_long_decode_split_over_the_context(dtype, seq_len: int) -> None:
+    # One or two decodes: too few (request, kv head) pairs, so the context is split and merged.
+    check_against_reference([(seq_len - 1, 1)], dtype=dtype)
+    check_against_reference([(seq_len - 1, 1), (seq_len // 3, 1)], 9, 3, dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_prefill_without_and_with_a_cached_prefix(dtype, num_heads: int, num_kv_heads: int) -> None:
+    check_against_reference([(0, 37)], num_heads, num_kv_heads, dtype=dtype)  # nothing cached
+    check_against_reference([(48, 20)], num_heads, num_kv_heads, dtype=dtype)  # prefix-cache hit
+    check_against_reference([(37, 70)], num_heads, num_kv_heads, dtype=dtype)  # a later chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_in_any_order_with_padding(dtype) -> None:
+    contexts = [(20, 1), (33, 17), (0, 1), (0, 45), (128, 1), (16, 16), (5, 2)]
+    check_against_reference(contexts, dtype=dtype, num_padding=3)
+    check_against_reference(contexts[::-1], dtype=dtype, num_padding=0, seed=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_other_block_sizes(block_size: int) -> None:
+    contexts = [(40, 1), (3, 1), (30, 9), (0, 6), (300, 1)]
+    check_against_reference(contexts, block_size=block_size)
+
+
+def test_other_head_size() -> None:
+    check_against_reference([(40, 1), (30, 9), (0, 1)], 4, 2, head_size=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(dtype) -> None:
+    contexts = [(40, 1), (700, 1), (30, 25), (0, 40), (5, 1)]
+    check_against_reference(contexts, dtype=dtype, sliding_window=13)
+    check_against_reference([(900, 1)], dtype=dtype, sliding_window=300)  # split decode
+
+
+def test_empty_step() -> None:
+    check_against_reference([], num_padding=2)
+
+
+def test_backend_passes_the_interface_check() -> None:
+    assert validate_attention_backend(X86AttentionBackend) is X86AttentionBackend
+    assert X86AttentionBackend.get_kv_cache_shape(
+        7, 16, 3, 64
+    ) == CPUAttentionBackend.get_kv_cache_shape(7, 16, 3, 64)
