@@ -24,6 +24,9 @@ AUTO = "auto"
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+QUANTIZATION_METHODS = ("auto", "gguf", "int8", "int4", "none")
+"""Values of ``model.quantization`` (None means ``"auto"``)."""
+
 
 def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
     if not condition:
@@ -57,9 +60,21 @@ class ModelConfig:
     seeded sampling, equal a run of the request alone. Costs throughput; a platform that cannot
     honour it refuses it (the cpu platform: bfloat16 only). See ``SamplingParams.seed`` for what
     else changes numerics (chunked prompts, prefix-cache hits, preemption)."""
+    quantization: str | None = None
+    """How weights are kept in memory. None or auto: a quantized GGUF file stays quantized where
+    the platform supports "gguf" (``Platform.supported_quantization``), else it is dequantized at
+    load; gguf: keep GGUF blocks (an error where the platform cannot); int8 / int4: quantize a
+    float model's linear weights on load (per output channel int8 / int4 in groups of 32), where
+    the platform supports it; none: dense weights in ``dtype``."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "model.dtype", self.dtype, f"one of {list(_DTYPES)}")
+        _check(
+            self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+            "model.quantization",
+            self.quantization,
+            f"None or one of {list(QUANTIZATION_METHODS)}",
+        )
         _check(
             self.max_model_len is None or self.max_model_len > 0,
             "model.max_model_len",

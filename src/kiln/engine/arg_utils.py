@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
     KilnConfig,
@@ -35,6 +36,7 @@ class EngineArgs:
     chat_template: str | None = None
     max_logprobs: int = 20
     batch_invariant: bool = False
+    quantization: str | None = None
     block_size: int = 16
     kv_cache_memory: float | str | None = None
     """GiB (``2``, ``0.5``) or a percentage of free memory (``"40%"``)."""
@@ -74,6 +76,7 @@ class EngineArgs:
                 chat_template=self.chat_template,
                 max_logprobs=self.max_logprobs,
                 batch_invariant=self.batch_invariant,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -142,6 +145,14 @@ class EngineArgs:
             action="store_true",
             help="each request's tokens do not depend on the rest of the batch (costs "
             "throughput; cpu platform: bfloat16 only)",
+        )
+        g.add_argument(
+            "--quantization",
+            "-q",
+            default=None,
+            choices=list(QUANTIZATION_METHODS),
+            help="weights in memory: auto (a quantized GGUF stays quantized where the platform "
+            "supports it), gguf, int8 / int4 (quantize a float model on load), none (dense)",
         )
         g = parser.add_argument_group("cache")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

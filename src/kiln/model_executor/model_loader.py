@@ -6,6 +6,10 @@ joins three registries (loaders, architectures, and the model's own weight mappi
 their result: a parameter that no checkpoint tensor filled is an error, never silently
 uninitialized memory.
 
+Quantization: ``resolve_quant_config`` turns ``model.quantization`` into the platform's
+``QuantizationConfig`` (``Platform.get_quant_config``) or None (dense weights); with "gguf" the
+GGUF loader yields raw blocks (``GGUFWeight``) that the layers' methods keep.
+
 ``kv_cache_bytes_per_token(config, dtype)`` is what the engine sizes its KV cache with.
 
 This module knows nothing about scheduling or KV-cache allocation.
@@ -20,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.model_executor.layers.linear import LinearBase
-from kiln.model_executor.loader import get_loader
+from kiln.model_executor.layers.linear import QuantizationConfig
+from kiln.model_executor.loader import ModelLoader, get_loader
+from kiln.model_executor.loader.gguf_loader import GGUFLoader
 from kiln.model_executor.models.llama import config_dict
 from kiln.model_executor.registry import resolve_model_cls
 
@@ -34,6 +39,7 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     quant_config: Any = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Load ``model_ref`` (a GGUF file, a Hugging Face folder, a hub id).
 
@@ -42,24 +48,40 @@ def load_model(
         dtype: compute dtype of the parameters.
         device: where the parameters live.
         load_format: a registered loader name, or ``"auto"`` to pick by ``model_ref``.
-        quant_config: a ``QuantizationConfig`` for the linear layers, or None (dense).
+        quant_config: a ``QuantizationConfig`` for the layers; None: ``quantization`` decides.
+        quantization: ``model.quantization`` (None, "auto", "gguf", "int8", "int4", "none"),
+            resolved with the current platform (``resolve_quant_config``).
 
     Returns:
         ``(model, hf_config)``.
 
     Raises:
         ValueError: no loader accepts ``model_ref``, its architecture is not registered, a
-            checkpoint tensor fits no parameter, or parameters were left unloaded (listed).
+            checkpoint tensor fits no parameter, or parameters were left unloaded (listed), or
+            ``quantization`` does not apply to this model or platform.
     """
     start = time.perf_counter()
     loader = get_loader(model_ref, load_format)
     hf_config = loader.load_hf_config(model_ref)
+    if quant_config is None:
+        quant_config = resolve_quant_config(quantization, loader, model_ref)
+    keep_gguf = quant_config is not None and quant_config.name == "gguf"
+    if keep_gguf and not isinstance(loader, GGUFLoader):
+        raise ValueError(
+            f"model.quantization='gguf' keeps a GGUF file's blocks; {model_ref!r} is read by "
+            f"{type(loader).__name__}; allowed for it: auto, none, int8, int4"
+        )
     model_cls = resolve_model_cls(hf_config.get("architectures") or [])
     # Only Kiln's own models are known to take quant_config; a plugin's may not.
     kwargs = {} if quant_config is None else {"quant_config": quant_config}
     with torch.device(device):
         model = model_cls(hf_config, dtype=dtype, **kwargs)
-    loaded = model.load_weights(loader.iter_weights(model_ref, dtype))
+    weights = (
+        loader.iter_weights(model_ref, dtype, keep_quantized=True)
+        if keep_gguf
+        else loader.iter_weights(model_ref, dtype)
+    )
+    loaded = model.load_weights(weights)
     missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (
@@ -70,17 +92,74 @@ def load_model(
             f"{model_cls.__name__} unloaded: {shown}"
         )
     for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.quant_method.process_weights_after_loading(module)
+        method = getattr(module, "quant_method", None)
+        # A tied LM head shares the embedding's storage, processed with the embedding.
+        if method is not None and not getattr(module, "_tied_to", ()):
+            method.process_weights_after_loading(module)
     model.eval()
     logger.info(
-        "loaded %s (%s, %s) in %.2f s",
+        "loaded %s (%s, %s, quantization %s) in %.2f s",
         model_ref,
         model_cls.__name__,
         dtype,
+        quant_config.name if quant_config is not None else "none",
         time.perf_counter() - start,
     )
     return model, hf_config
+
+
+def is_quantized_gguf(loader: ModelLoader, model_ref: str) -> bool:
+    """Whether ``model_ref`` is a GGUF file with quantized (non-float) 2-D tensors."""
+    if not isinstance(loader, GGUFLoader):
+        return False
+    floats = {"F32", "F16", "BF16"}
+    return any(
+        t.tensor_type.name not in floats and len(t.shape) == 2
+        for t in loader.reader(model_ref).tensors
+    )
+
+
+def resolve_quant_config(
+    quantization: str | None, loader: ModelLoader, model_ref: str, platform: Any = None
+) -> QuantizationConfig | None:
+    """The ``QuantizationConfig`` for ``model.quantization`` on ``platform`` (default: the
+    current one), or None for dense weights.
+
+    None / "auto": "gguf" for a quantized GGUF file where the platform supports it, else dense.
+
+    Raises:
+        ValueError: "gguf" for a model that is no quantized GGUF file, "int8" / "int4" for one
+            that is, or a method the platform does not support (from
+            ``Platform.get_quant_config``).
+        InterfaceError: the platform's config does not implement ``QuantizationConfig``.
+    """
+    from kiln.config import get_current_config
+    from kiln.plugins.interfaces import check_implements
+
+    if platform is None:
+        from kiln.platforms import current_platform
+
+        platform = current_platform
+    method = quantization or "auto"
+    quantized_gguf = is_quantized_gguf(loader, model_ref)
+    if method == "auto":
+        supported = "gguf" in platform.supported_quantization
+        method = "gguf" if quantized_gguf and supported else "none"
+    if method == "none":
+        return None
+    if method == "gguf" and not quantized_gguf:
+        raise ValueError(
+            f"model.quantization='gguf' needs a quantized GGUF file; {model_ref!r} is not one; "
+            "allowed for it: auto, none, int8, int4"
+        )
+    if method in ("int8", "int4") and quantized_gguf:
+        raise ValueError(
+            f"model.quantization={method!r} quantizes a float model on load; {model_ref!r} is "
+            "already a quantized GGUF file; allowed for it: auto, gguf, none"
+        )
+    quant_config = platform.get_quant_config(method, get_current_config())
+    check_implements(type(quant_config), QuantizationConfig)
+    return quant_config
 
 
 def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
@@ -93,4 +172,4 @@ def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
     return int(cfg["num_hidden_layers"]) * 2 * num_kv_heads * head_dim * dtype.itemsize
 
 
-__all__ = ["kv_cache_bytes_per_token", "load_model"]
+__all__ = ["is_quantized_gguf", "kv_cache_bytes_per_token", "load_model", "resolve_quant_config"]

@@ -24,6 +24,7 @@ from kiln.config import AUTO, CLASS_FIELDS
 
 if TYPE_CHECKING:
     from kiln.config import KilnConfig
+    from kiln.model_executor.layers.linear import QuantizationConfig
 
 PLATFORM_API_VERSION = "1.0"
 """The version of this contract. Bump MAJOR for breaking changes, MINOR for additions."""
@@ -50,7 +51,9 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     """Compute dtypes, preferred first (the first is what ``dtype="auto"`` takes)."""
     supported_quantization: ClassVar[tuple[str, ...]] = ()
-    """Weight quantization methods it can keep quantized in memory ("gguf", "fp8"...)."""
+    """Weight quantization methods it keeps quantized in memory, among "gguf" (a GGUF file's
+    blocks), "int8" and "int4" (a float model quantized on load); ``get_quant_config`` supplies
+    the layers' methods. Empty: weights are dense (a GGUF file is dequantized at load)."""
     supports_graph_capture: ClassVar[bool] = False
     """Whether ``graph_wrapper_cls`` captures graphs (False: it runs eagerly)."""
     config_section: ClassVar[type | None] = None
@@ -130,6 +133,30 @@ class Platform:
         with torch.inference_mode():
             yield
 
+    @classmethod
+    def get_quant_config(cls, method: str, config: KilnConfig) -> QuantizationConfig:
+        """The ``QuantizationConfig`` that keeps the model's weights quantized by ``method`` (one
+        of ``supported_quantization``), built once per model load.
+
+        Its ``get_linear_method(layer, prefix)`` gives each linear layer (and, for "gguf", the
+        token embedding and LM head) a ``LinearMethodBase`` (``kiln.model_executor.layers.linear``)
+        that owns the layer's parameters and product. The default returns Kiln's reference
+        methods (``kiln.model_executor.layers.quantization``: GGUF blocks dequantized per call,
+        int8 / int4 dequantized per call), correct but slow; a platform overrides
+        ``pack`` / ``matmul`` / ``embed`` of their subclasses with its kernels.
+
+        Raises:
+            ValueError: ``method`` is not in ``supported_quantization``.
+        """
+        from kiln.model_executor.layers.quantization import reference_quant_config
+
+        if method not in cls.supported_quantization:
+            raise ValueError(
+                f"model.quantization={method!r} is not supported on platform {cls.name!r}; "
+                f"allowed: {['auto', 'none', *cls.supported_quantization]}"
+            )
+        return reference_quant_config(method)
+
     # -- config -----------------------------------------------------------------------------------
     @classmethod
     def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
@@ -162,6 +189,14 @@ class Platform:
             raise ValueError(
                 f"model.dtype={config.model.dtype!r} is not supported on platform {cls.name!r}; "
                 f"allowed: {['auto', *cls.supported_dtypes]}"
+            )
+        quantization = config.model.quantization
+        if quantization in ("gguf", "int8", "int4") and quantization not in (
+            cls.supported_quantization
+        ):
+            raise ValueError(
+                f"model.quantization={quantization!r} is not supported on platform {cls.name!r}; "
+                f"allowed: {['auto', 'none', *cls.supported_quantization]}"
             )
         return config.replace(**changes) if changes else config
 

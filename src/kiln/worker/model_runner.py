@@ -76,6 +76,7 @@ class ModelRunner(ModelRunnerBase):
                 self.dtype,
                 self.device,
                 self.config.model.load_format,
+                quantization=self.config.model.quantization,
             )
         from kiln.platforms import current_platform
 

@@ -7,6 +7,8 @@ oneDNN bf16 matmuls, the CPU paged-attention backend) through the public Platfor
 - ``init_process``: in ``kiln serve``'s API server, pins it to the reserved cores, if any;
 - ``init_worker_process``: sizes torch's thread pool and pins each model thread to its core
   (``kiln_x86.binding``), per the ``x86`` config section (``kiln_x86.options.X86Options``);
+- ``get_quant_config``: weights kept quantized ("gguf", "int8", "int4"), through
+  ``kiln_x86.linear_methods``;
 - ``get_attn_backend_cls``: paged attention over the KV cache in place (``kiln_x86.attention``);
 - ``register_ops``: the reference platform's ops, then the fused x86 ones (``kiln_x86.ops``),
   registered for device type ``cpu`` only in processes where this platform was selected, so the
@@ -35,6 +37,7 @@ from kiln_x86.options import X86Options
 
 if TYPE_CHECKING:
     from kiln.config import KilnConfig
+    from kiln.model_executor.layers.linear import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,27 @@ class X86Platform(CpuPlatform):
     device_type = "cpu"
     config_section = X86Options
     supports_graph_capture = True
+    supported_quantization = ("gguf", "int8", "int4")
+
+    @classmethod
+    def get_quant_config(cls, method: str, config: KilnConfig) -> QuantizationConfig:
+        from kiln.model_executor.layers.quantization import (
+            GGUFQuantConfig,
+            Int4QuantConfig,
+            Int8QuantConfig,
+        )
+        from kiln_x86.linear_methods import (
+            X86GGUFLinearMethod,
+            X86Int4LinearMethod,
+            X86Int8LinearMethod,
+        )
+
+        super().get_quant_config(method, config)  # validates method
+        if method == "gguf":
+            return GGUFQuantConfig(X86GGUFLinearMethod)
+        if method == "int8":
+            return Int8QuantConfig(X86Int8LinearMethod)
+        return Int4QuantConfig(X86Int4LinearMethod)
 
     @classmethod
     def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:

@@ -4,9 +4,11 @@ Contract: a linear layer computes ``y = x @ W^T + b`` for ``x`` [num_tokens, inp
 is stored and multiplied is its ``quant_method``'s business (a ``LinearMethodBase``): the method
 creates the layer's parameters (``create_weights``) and runs the product (``apply``). The default,
 ``UnquantizedLinearMethod``, keeps a dense ``weight`` [output_size, input_size] and calls
-``F.linear``. A plugin that keeps weights quantized supplies a ``QuantizationConfig`` whose
-``get_linear_method(layer, prefix)`` returns its own method (its own parameters, each with a
-``weight_loader``).
+``F.linear``. A platform that keeps weights quantized supplies a ``QuantizationConfig``
+(``Platform.get_quant_config``) whose ``get_linear_method(layer, prefix)`` returns its own method
+(its own parameters, each with a ``weight_loader``); the token embedding and LM head ask it too
+(``kiln.model_executor.layers.vocab_embedding``), and a method that accepts them implements
+``embedding``. Kiln's reference methods are in ``kiln.model_executor.layers.quantization``.
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``. Fused layers use
 ``shard_id`` to place one checkpoint tensor inside the fused parameter: ``QKVParallelLinear`` takes
@@ -111,6 +113,11 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
         """Repack weights once every shard is loaded (a quantized layout, say). Default: no-op."""
 
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``input_ids`` [T] of the weight -> [T, input_size] in the model's dtype; only for
+        methods that a ``QuantizationConfig`` gives a token embedding."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve embeddings")
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense weight [output_size, input_size] in the compute dtype; ``F.linear``."""
@@ -137,11 +144,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class QuantizationConfig(ABC):
-    """What a quantization plugin supplies: the linear method of each layer."""
+    """What a quantization plugin supplies: the linear method of each layer.
+
+    ``name`` is the ``model.quantization`` method it implements ("gguf", "int8", "int4"); with
+    "gguf" the GGUF loader hands the methods' ``weight_loader`` a ``GGUFWeight`` (raw blocks)
+    for every quantized tensor instead of a dequantized one.
+    """
+
+    name: str = ""
 
     @abstractmethod
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
-        """The method for the layer named ``prefix``, or None to keep it unquantized."""
+        """The method for the layer named ``prefix`` (a ``LinearBase``, or a
+        ``VocabParallelEmbedding`` / ``ParallelLMHead``), or None to keep it unquantized."""
 
 
 @register_op("linear")

@@ -5,6 +5,11 @@ Contract:
 - ``ParallelLMHead(vocab, hidden)`` holds the output projection ``weight`` [vocab, hidden]; it is
   never called directly. With ``tie_word_embeddings`` a model calls ``lm_head.tie_weights(embed)``
   so both share one parameter.
+- Given a ``quant_config`` (``QuantizationConfig``), both ask it for a method
+  (``get_linear_method``); a method given keeps the table in its own form (GGUF blocks, say):
+  the embedding looks rows up with ``quant_method.embedding`` and the logits processor
+  multiplies with ``quant_method.apply``. A tied LM head shares the embedding's method and
+  storage (``weight_layer()``).
 - ``LogitsProcessor(vocab)(lm_head, hidden_states [N, hidden]) -> [N, vocab]`` float32 logits.
   It computes only the rows it is given: the caller (the model runner) selects the rows it needs
   (the last scheduled token of each request) before calling, so a 2,000-token prefill costs one
@@ -25,6 +30,8 @@ from torch import nn
 
 from kiln.model_executor.custom_op import CustomOp, register_op
 from kiln.model_executor.layers.linear import (
+    LinearMethodBase,
+    QuantizationConfig,
     batch_invariant_enabled,
     default_weight_loader,
     set_weight_attrs,
@@ -45,6 +52,7 @@ class VocabParallelEmbedding(CustomOp):
         embedding_dim: hidden size.
         params_dtype: the model's compute dtype.
         prefix: the layer's name in the model.
+        quant_config: asked for the table's method; None (or no method) -> a dense ``weight``.
     """
 
     def __init__(
@@ -54,6 +62,7 @@ class VocabParallelEmbedding(CustomOp):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         tp_size: int = 1,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         _check_tp(tp_size)
@@ -61,15 +70,30 @@ class VocabParallelEmbedding(CustomOp):
         self.embedding_dim = embedding_dim
         self.tp_size = tp_size
         self.prefix = prefix
+        params_dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method: LinearMethodBase | None = (
+            quant_config.get_linear_method(self, prefix) if quant_config else None
+        )
+        self._tied_to: tuple[VocabParallelEmbedding, ...] = ()
+        if self.quant_method is not None:
+            # The table is a linear map hidden -> vocab: input size hidden, output size vocab.
+            self.quant_method.create_weights(
+                self, embedding_dim, [num_embeddings], params_dtype, default_weight_loader
+            )
+            return
         self.weight = nn.Parameter(
-            torch.empty(
-                num_embeddings, embedding_dim, dtype=params_dtype or torch.get_default_dtype()
-            ),
+            torch.empty(num_embeddings, embedding_dim, dtype=params_dtype),
             requires_grad=False,
         )
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
+    def weight_layer(self) -> VocabParallelEmbedding:
+        """The layer that holds this one's table: itself, or the embedding a head is tied to."""
+        return self._tied_to[0] if self._tied_to else self
+
     def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
 
     def extra_repr(self) -> str:
@@ -94,19 +118,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         tp_size: int = 1,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim, params_dtype, prefix, tp_size)
+        super().__init__(num_embeddings, embedding_dim, params_dtype, prefix, tp_size, quant_config)
         if bias:
             self.bias = nn.Parameter(
-                torch.empty(num_embeddings, dtype=self.weight.dtype), requires_grad=False
+                torch.empty(num_embeddings, dtype=params_dtype or torch.get_default_dtype()),
+                requires_grad=False,
             )
             set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
         else:
             self.register_parameter("bias", None)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
-        """Share ``embed_tokens``' weight (``tie_word_embeddings``); returns self."""
+        """Share ``embed_tokens``' weight and method (``tie_word_embeddings``); returns self."""
         self.weight = embed_tokens.weight
+        self.quant_method = embed_tokens.quant_method
+        # A tuple, so the embedding does not become a submodule of the head.
+        self._tied_to = (embed_tokens,) if embed_tokens.quant_method is not None else ()
         return self
 
     def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -130,7 +159,10 @@ class LogitsProcessor(CustomOp):
 
     def forward_native(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` [N, hidden] -> [N, vocab_size] float32."""
-        logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)  # [N, padded vocab]
+        if lm_head.quant_method is not None:
+            logits = lm_head.quant_method.apply(lm_head.weight_layer(), hidden_states, lm_head.bias)
+        else:
+            logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)  # [N, padded vocab]
         logits = logits[..., : self.vocab_size].float()
         if self.scale != 1.0:
             logits.mul_(self.scale)

@@ -7,6 +7,11 @@ so its ``[in, out]`` is our ``[out, in]``), dequantized to float32 and cast to t
 The Q/K projections of llama-arch files are un-permuted back to the HF rotary layout (see
 ``_unpermute_qk``). Architectures: llama, qwen2, qwen3.
 
+With ``keep_quantized=True`` (the model loader passes it when the platform keeps GGUF blocks,
+``model.quantization`` "gguf"), every quantized 2-D tensor is yielded as a ``GGUFWeight`` (raw
+block bytes, rows in ``[out, in]`` order, Q/K rows un-permuted: rows are whole blocks) instead;
+float tensors (norms) are yielded as before.
+
 Parsing a GGUF header is slow (``GGUFReader`` slices its memory map once per vocabulary string),
 so each loader instance keeps the readers it opened, and ``open_gguf`` parses from a plain array
 view of the map (~3x faster). The tensor data stay memory-mapped until dequantized one at a
@@ -23,8 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from kiln.model_executor.layers.quantization import GGUFWeight
 from kiln.model_executor.loader.base import ModelLoader
 from kiln.model_executor.loader.dequant import dequantize
 
@@ -61,6 +67,10 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+_FLOAT_TYPES = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+)
 
 # Tensors llama.cpp adds that are no Hugging Face parameter (rope_freqs: precomputed llama3 rope
 # factors; the config's rope_scaling carries the same information).
@@ -229,8 +239,11 @@ class GGUFLoader(ModelLoader):
             )
         return scaling
 
-    def iter_weights(self, model: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` for every weight, one tensor dequantized at a time.
+    def iter_weights(
+        self, model: str, dtype: torch.dtype, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, tensor)`` for every weight, one tensor dequantized at a time, or,
+        with ``keep_quantized``, quantized 2-D tensors as ``GGUFWeight`` (a copy of the blocks).
 
         Side effects: opens (and caches) the file's reader. Tensors with no HF counterpart are
         skipped (``rope_freqs``) or skipped with a warning (anything unknown).
@@ -250,9 +263,18 @@ class GGUFLoader(ModelLoader):
             if hf_name is None:
                 logger.warning("GGUF tensor %s has no Hugging Face name; skipped", tensor.name)
                 continue
+            kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+            qtype = GGMLQuantizationType(tensor.tensor_type)
+            if keep_quantized and qtype not in _FLOAT_TYPES and tensor.data.ndim == 2:
+                blocks = tensor.data  # uint8 [rows, row_bytes]: GGUF rows are [out, in] rows
+                if kind in unpermute_heads:
+                    blocks = _unpermute_qk(blocks, unpermute_heads[kind])
+                block_size, type_size = GGML_QUANT_SIZES[qtype]
+                shape = (blocks.shape[0], blocks.shape[1] // type_size * block_size)
+                yield hf_name, GGUFWeight(torch.from_numpy(np.array(blocks)), qtype, shape)
+                continue
             # Logical shape in torch order (dims reversed from GGUF's), e.g. [out, in].
             weight = dequantize(tensor.data, tensor.tensor_type)
-            kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
             if kind in unpermute_heads:
                 weight = _unpermute_qk(weight, unpermute_heads[kind])
             yield hf_name, torch.from_numpy(np.ascontiguousarray(weight)).to(dtype)

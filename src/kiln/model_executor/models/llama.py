@@ -243,7 +243,11 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            args.vocab_size, args.hidden_size, dtype, prefix=join_prefix(prefix, "embed_tokens")
+            args.vocab_size,
+            args.hidden_size,
+            dtype,
+            prefix=join_prefix(prefix, "embed_tokens"),
+            quant_config=quant_config,
         )
         rotary_emb = RotaryEmbedding(
             args.head_dim, args.max_position, args.rope_theta, args.rope_scaling, dtype
@@ -302,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
             self.args.hidden_size,
             params_dtype=dtype,
             prefix=join_prefix(prefix, "lm_head"),
+            quant_config=quant_config,
         )
         if self.args.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

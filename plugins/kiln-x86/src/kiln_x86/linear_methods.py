@@ -1,0 +1,102 @@
+"""kiln-x86's quantized linear methods, plugged into Kiln's ``quant_config`` path.
+
+``X86Platform.get_quant_config(method, config)`` returns Kiln's configs
+(``kiln.model_executor.layers.quantization``) with these methods:
+
+- "gguf": ``X86GGUFLinearMethod`` keeps each GGUF weight in ``kiln_x86.quant``'s layout
+  (``pack``) and multiplies with its weight-only kernels (``matmul``, ``embedding``). Block
+  formats the kernels lack fall back to Kiln's reference (dequantize per call).
+- "int8": ``X86Int8LinearMethod``, torch's weight-only int8 CPU kernel
+  (``aten._weight_int8pack_mm``) on Kiln's per-channel int8 weights.
+- "int4": ``X86Int4LinearMethod``, torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``)
+  on Kiln's group-wise int4 weights, repacked once into its layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.model_executor.layers.quantization import (
+    INT4_GROUP_SIZE,
+    GGUFLinearMethod,
+    GGUFWeight,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    unpack_int4,
+)
+
+
+class X86GGUFLinearMethod(GGUFLinearMethod):
+    """GGUF weights through ``kiln_x86.quant`` (the reference for other block formats)."""
+
+    def pack(self, raw: torch.Tensor, qtype: Any, out_features: int, in_features: int) -> Any:
+        from kiln_x86 import quant
+
+        if qtype not in quant.SUPPORTED_TYPES:
+            return super().pack(raw, qtype, out_features, in_features)
+        return quant.pack(raw, qtype, out_features, in_features)
+
+    def matmul(self, x: torch.Tensor, packed: Any) -> torch.Tensor:
+        from kiln_x86 import quant
+
+        if isinstance(packed, GGUFWeight) or x.dtype not in (torch.float32, torch.bfloat16):
+            return super().matmul(x, packed)
+        return quant.matmul(x, packed)
+
+    def embed(self, input_ids: torch.Tensor, packed: Any) -> torch.Tensor:
+        from kiln_x86 import quant
+
+        if isinstance(packed, GGUFWeight):
+            return super().embed(input_ids, packed)
+        return quant.embedding(input_ids, packed)
+
+
+class X86Int8LinearMethod(Int8LinearMethod):
+    """int8 per output channel through ``aten._weight_int8pack_mm`` (scales kept in the
+    model's dtype, which the kernel wants)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = layer.weight.dtype
+        super().process_weights_after_loading(layer)
+        layer.scales = layer.scales.to(dtype)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return super().apply(layer, x, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        scales = layer.scales if layer.scales.dtype == x.dtype else layer.scales.to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, scales)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+
+class X86Int4LinearMethod(Int4LinearMethod):
+    """int4 groups through ``aten._weight_int4pack_mm_for_cpu``; the weight is kept only in
+    that kernel's layout (``int4_packed``) and ``scales_and_zeros`` [in / group, out, 2]."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = layer.weight.dtype
+        super().process_weights_after_loading(layer)
+        values = unpack_int4(layer.qweight).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+        scales_and_zeros = torch.stack([layer.scales.t(), layer.zeros.t()], dim=-1)
+        scales_and_zeros = scales_and_zeros.to(dtype).contiguous()
+        del layer.qweight, layer.scales, layer.zeros
+        layer.register_buffer("int4_packed", packed)
+        layer.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(dtype), layer.int4_packed, INT4_GROUP_SIZE, layer.scales_and_zeros.to(dtype)
+        ).to(x.dtype)  # .to: no-ops in the model's dtype
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
