@@ -90,10 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_args(plugins)
     plugins.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plugins.set_defaults(func=cmd_plugins)
+    _add_plugin_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
     _add_chat_parser(sub)
     return parser
+
+
+def _add_plugin_parser(sub: argparse._SubParsersAction) -> None:
+    from kiln.entrypoints import plugin_new
+
+    plugin = sub.add_parser("plugin", help="tools for plugin authors")
+    plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
+    new = plugin_sub.add_parser(
+        "new",
+        help="write a new platform plugin package that passes the conformance kit",
+        description="Write kiln-NAME/: a pyproject with both entry points, a platform with a "
+        "config section, a worker, an attention backend, op implementations, the conformance "
+        "kit's tests and a README (docs/plugins.md explains each file).",
+    )
+    plugin_new.add_cli_args(new)
+    new.set_defaults(func=plugin_new.main)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
