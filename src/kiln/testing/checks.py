@@ -116,9 +116,12 @@ def _close(a: Any, b: Any) -> str | None:
 
 def check_ops(platform: str) -> dict[str, Any]:
     from kiln.model_executor.custom_op import OP_REGISTRY
-    from kiln.platforms import current_platform
 
     _init(platform)
+    # Imported after _init: the import selects a platform, and only _init selects this one (with
+    # another installed platform active too, selecting by detection alone is an error).
+    from kiln.platforms import current_platform
+
     _import_builtin_layers()
     device = current_platform.get_device()
     results = []
