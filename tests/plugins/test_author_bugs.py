@@ -3,6 +3,7 @@
 
 import pytest
 
+from kiln.model_executor.custom_op import OpRegistry
 from kiln.testing import plugin_report, run_python
 
 pytestmark = pytest.mark.plugin
@@ -78,3 +79,41 @@ def test_a_model_runner_with_exactly_the_interface_serves_through_the_reference_
     proc = run_python(["-c", GENERATE_TWO_TOKENS], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "2"
+
+
+def test_op_implementations_are_reported_when_the_plugin_config_is_invalid():
+    # The report is needed most when configuration fails; Kiln's ops must be known without a
+    # model having been built in the process.
+    rc, report = plugin_report(plugin_config='{"no_such_section": {}}')
+    assert rc == 1 and "no_such_section" in report["error"]
+    impls = {(i["op"], i["provider"]) for i in report["op_implementations"]}
+    assert ("linear", "onednn") in impls, impls  # the cpu platform's own implementation
+
+
+def _plugin_register(registry, scale):
+    def scaled(op, x):
+        return x * scale
+
+    # The README's pattern: a lambda predicate written inside register().
+    registry.register_impl(
+        "my_op", "my_kernels", device_type="npu", priority=10, supports=lambda op, x: x.ndim == 2
+    )(_impl)
+    registry.register_impl(
+        "my_op", "captures", device_type="npu", supports=lambda op, x: x.shape[0] == scale
+    )(_impl)
+
+
+def _impl(op, x):
+    return x
+
+
+def test_the_readme_lambda_predicate_registers_again_without_error():
+    registry = OpRegistry()
+    _plugin_register(registry, 2)
+    generation = registry.generation
+    _plugin_register(registry, 2)
+    assert registry.generation == generation
+    assert len(registry.implementations("my_op")) == 2
+    # A predicate that captured another value is another registration: refused as before.
+    with pytest.raises(ValueError, match="already has an implementation from provider 'captures'"):
+        _plugin_register(registry, 3)

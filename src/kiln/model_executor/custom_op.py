@@ -75,6 +75,11 @@ class OpRegistry:
     ) -> Callable[[ImplFn], ImplFn]:
         """Decorator: register ``fn(module, *args, **kwargs)`` as ``provider``'s version of ``op``.
 
+        Registering the same implementation again is a no-op, so that a plugin's ``register()``
+        is idempotent: the same function object, priority and ``supports`` predicate, where a
+        predicate written as a lambda in ``register()`` counts as the same when its code,
+        defaults and captured values are (each run makes a new lambda object).
+
         Raises:
             ValueError: ``provider`` already has a different implementation of ``op`` for
                 ``device_type`` and ``override`` is false.
@@ -84,11 +89,7 @@ class OpRegistry:
             impl = OpImpl(op, provider, device_type, fn, priority, supports, current_source())
             impls = self._impls.setdefault(op, {})
             old = impls.get((provider, device_type))
-            if old is not None and (old.fn, old.priority, old.supports) != (
-                fn,
-                priority,
-                supports,
-            ):
+            if old is not None and not _same_impl(old, impl):
                 if not override:
                     raise ValueError(
                         f"op {op!r} already has an implementation from provider {provider!r} for "
@@ -105,7 +106,7 @@ class OpRegistry:
                         impl.source,
                     )
                 )
-            if old is None or old != impl:
+            if old is None or not _same_impl(old, impl):
                 impls[(provider, device_type)] = impl
                 self.generation += 1
             return fn
@@ -124,6 +125,29 @@ class OpRegistry:
             if device_type is None or impl.device_type == device_type
         ]
         return sorted(impls, key=lambda impl: -impl.priority)
+
+
+def _same_impl(a: OpImpl, b: OpImpl) -> bool:
+    return a.fn is b.fn and a.priority == b.priority and _same_predicate(a.supports, b.supports)
+
+
+def _same_predicate(a: Callable[..., bool] | None, b: Callable[..., bool] | None) -> bool:
+    """Whether two ``supports`` predicates are the same object, or functions with the same code,
+    defaults and captured values (a lambda re-created by running the same line again)."""
+    if a is b:
+        return True
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code_a is None or code_a != code_b:
+        return False
+    try:
+        cells_a = [c.cell_contents for c in a.__closure__ or ()]  # type: ignore[union-attr]
+        cells_b = [c.cell_contents for c in b.__closure__ or ()]  # type: ignore[union-attr]
+        same_cells = len(cells_a) == len(cells_b) and all(
+            x is y or x == y for x, y in zip(cells_a, cells_b, strict=True)
+        )
+        return bool(same_cells and a.__defaults__ == b.__defaults__)  # type: ignore[union-attr]
+    except (ValueError, TypeError, RuntimeError):  # an empty cell, or == that cannot answer
+        return False
 
 
 OP_REGISTRY = OpRegistry()

@@ -16,6 +16,7 @@ from importlib import metadata
 from typing import Any
 
 from kiln.config import AUTO, CLASS_FIELDS, KilnConfig
+from kiln.model_executor.layers import import_builtin_ops
 from kiln.patches import PATCH_REGISTRY, PatchRegistry
 from kiln.platforms.interface import PLATFORM_API_VERSION, Platform, api_major
 from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
@@ -210,11 +211,15 @@ class PluginManager:
         """Run every allowed general plugin's ``register()`` once in this process.
 
         A plugin that fails is logged and recorded with its traceback; the others still load.
-        Platform-scope patches declared by the plugins are applied at the end of this phase.
+        Kiln's built-in ops are imported first (``import_builtin_ops``). Platform-scope patches
+        declared by the plugins are applied at the end of this phase.
         """
         if "register" in self.phases:
             return
         self.discover()
+        # Kiln's own ops first: plugins register implementations for them, and the report and
+        # the kit must see them whether or not a model was built in this process.
+        import_builtin_ops()
         allow = plugin_allowlist()
         eps = {(ep.name, ep.value): ep for ep in find_entry_points(GENERAL_GROUP)}
         for record in self.general_records:

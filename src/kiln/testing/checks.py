@@ -122,7 +122,6 @@ def check_ops(platform: str) -> dict[str, Any]:
     # another installed platform active too, selecting by detection alone is an error).
     from kiln.platforms import current_platform
 
-    _import_builtin_layers()
     device = current_platform.get_device()
     results = []
     unknown = set(OP_REGISTRY.implemented_ops()) - set(OP_REGISTRY.ops.names())
@@ -170,18 +169,6 @@ def check_ops(platform: str) -> dict[str, Any]:
                 }
             )
     return {"device_type": current_platform.device_type, "results": results}
-
-
-def _import_builtin_layers() -> None:
-    """Import Kiln's layer modules, so every built-in op is registered (models import them
-    lazily, and a check process builds no model)."""
-    import importlib
-    import pkgutil
-
-    import kiln.model_executor.layers as layers
-
-    for module in pkgutil.walk_packages(layers.__path__, layers.__name__ + "."):
-        importlib.import_module(module.name)
 
 
 def _clone(value: Any) -> Any:
