@@ -1,12 +1,14 @@
 """The patch registry applies declared patches, and refuses them when the target drifted."""
 
+import importlib
 import sys
 import textwrap
 import types
 
 import pytest
 
-from kiln.patches import PatchRegistry, fingerprint
+from kiln.patches import PatchError, PatchRegistry, fingerprint
+from kiln.testing import run_python
 
 
 @pytest.fixture
@@ -82,13 +84,56 @@ def test_a_missing_target_is_refused(target_module):
     assert patch.status == "refused" and "'gone' is missing" in patch.detail
 
 
-def test_fingerprint_follows_the_source(target_module):
-    target = "kiln_patch_target:Engine.step"
-    before = fingerprint(target)
-    exec("def step(self):\n    return 'changed'\n", target_module.__dict__)
-    target_module.Engine.step = target_module.step
-    # Source of exec'd code is not retrievable: the fingerprint falls back to repr, which differs.
-    assert fingerprint(target) != before
+def test_fingerprint_follows_the_source(tmp_path, monkeypatch):
+    # A real module file whose source changes, as Kiln's own does between releases.
+    path = tmp_path / "kiln_fingerprint_target.py"
+    path.write_text("class Engine:\n    def step(self):\n        return 'original'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kiln_fingerprint_target
+
+    try:
+        target = "kiln_fingerprint_target:Engine.step"
+        before = fingerprint(target)
+        assert fingerprint(target) == before
+        path.write_text("class Engine:\n    def step(self):\n        return 'changed now'\n")
+        importlib.reload(kiln_fingerprint_target)
+        changed = fingerprint(target)
+        assert changed != before
+        # Trailing blanks do not count; the code does.
+        path.write_text("class Engine:\n    def step(self):   \n        return 'changed now'\n")
+        importlib.reload(kiln_fingerprint_target)
+        assert fingerprint(target) == changed
+    finally:
+        del sys.modules["kiln_fingerprint_target"]
+
+
+FINGERPRINT_OF_EXEC_CODE = """
+import sys, types
+from kiln.patches import fingerprint
+module = types.ModuleType("kiln_exec_target")
+exec("class Engine:\\n    def step(self):\\n        return " + sys.argv[1], module.__dict__)
+sys.modules["kiln_exec_target"] = module
+print(fingerprint("kiln_exec_target:Engine.step"))
+"""
+
+
+def test_fingerprint_of_code_without_source_is_the_same_in_every_process():
+    # Without source the fingerprint once hashed repr(func), which holds a memory address: each
+    # process got another one, and a patch of such a target was always refused.
+    def run(body):
+        proc = run_python(["-c", FINGERPRINT_OF_EXEC_CODE, body])
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    first, second = run("'original'"), run("'original'")
+    assert first == second
+    assert run("'changed'") != first
+
+
+def test_a_target_without_anything_stable_to_hash_cannot_be_fingerprinted(target_module):
+    target_module.Engine.handler = object()
+    with pytest.raises(PatchError, match="nothing stable to fingerprint"):
+        fingerprint("kiln_patch_target:Engine.handler")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import importlib
 import inspect
 import logging
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,21 +73,59 @@ def _lookup(target: str) -> tuple[Any, str, Any]:
 
 
 def fingerprint(target: str) -> str:
-    """A short hash of the target's source code (or of its repr for values without source).
+    """A short hash of the target's source code, the same in every process.
 
     Plugin authors record it when they write a patch; the registry compares it at apply time.
+    Without readable source (code made by ``exec``, a module shipped without ``.py`` files) the
+    hash is of the compiled code (bytecode, constants, names), which also changes when the code
+    does; a value that is not code is hashed by its ``repr``.
 
     Raises:
-        PatchError: the target is missing.
+        PatchError: the target is missing, or has neither source, code nor a ``repr`` free of
+            memory addresses (nothing stable to compare).
     """
     _owner, _attr, value = _lookup(target)
     func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
     try:
-        text = inspect.getsource(func)
+        source = inspect.getsource(func)
+        text = "\n".join(line.rstrip() for line in inspect.cleandoc(source).splitlines())
     except (OSError, TypeError):
-        text = repr(func)
-    normalised = "\n".join(line.rstrip() for line in inspect.cleandoc(text).splitlines())
-    return hashlib.sha256(normalised.encode()).hexdigest()[:16]
+        code = getattr(func, "__code__", None)
+        if isinstance(code, types.CodeType):
+            text = _describe_code(code)
+        elif " at 0x" not in repr(func):
+            text = repr(func)
+        else:
+            raise PatchError(
+                f"target {target!r} has no readable source and its repr holds a memory address "
+                f"({func!r}): nothing stable to fingerprint; patch a function instead"
+            ) from None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _describe_code(code: types.CodeType) -> str:
+    """A text that identifies compiled code across processes (no addresses, no line numbers)."""
+
+    def const(value: object) -> str:
+        if isinstance(value, types.CodeType):
+            return _describe_code(value)
+        if isinstance(value, frozenset):  # set order follows string hashing, per process
+            return "frozenset(" + ",".join(sorted(map(const, value))) + ")"
+        if isinstance(value, tuple):
+            return "(" + ",".join(map(const, value)) + ")"
+        return repr(value)
+
+    return "|".join(
+        [
+            code.co_name,
+            code.co_code.hex(),
+            const(code.co_consts),
+            ",".join(code.co_names),
+            ",".join(code.co_varnames),
+            str(code.co_argcount),
+            str(code.co_kwonlyargcount),
+        ]
+    )
 
 
 @dataclass
