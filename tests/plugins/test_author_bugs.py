@@ -117,3 +117,19 @@ def test_the_readme_lambda_predicate_registers_again_without_error():
     # A predicate that captured another value is another registration: refused as before.
     with pytest.raises(ValueError, match="already has an implementation from provider 'captures'"):
         _plugin_register(registry, 3)
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"KILN_TEST_OLD_API": "1"}, "was written for platform API 0.9"),
+        ({"KILN_TEST_PLATFORM": "misnamed"}, "entry point is named 'kiln_test'"),
+    ],
+)
+def test_kiln_serve_refuses_a_platform_in_one_line_without_a_traceback(env, needle):
+    # The platform is refused before the model is loaded or a port is bound.
+    proc = run_python(["-m", "kiln.entrypoints.cli", "serve", "--port", "0"], env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("kiln serve: ")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]

@@ -381,10 +381,13 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
 def run_server(args: argparse.Namespace) -> int:
     """``kiln serve``: returns the process exit status."""
     from kiln.plugins import init_process
+    from kiln.plugins.manager import PlatformSelectionError
 
     try:
         config = init_process("api", EngineArgs.from_cli_args(args).create_config())
-    except ValueError as exc:
+    except (ValueError, PlatformSelectionError) as exc:
+        # A config the user can fix, or a platform Kiln refuses (none found, two, an API
+        # version of another major, a name mismatch): one line, like any config error.
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 2
     try:
