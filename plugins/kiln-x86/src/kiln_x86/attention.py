@@ -32,14 +32,14 @@ from kiln.model_executor.layers.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from kiln_x86.kernels import ATTENTION_SOURCE, load_extension
+from kiln_x86.kernels import ATTENTION_CFLAGS, ATTENTION_SOURCE, load_extension
 
 EXTENSION = "kiln_x86_attention"
 
 
 def load_attention_kernels() -> ModuleType | None:
     """The compiled attention kernel (built on first use), or None where it cannot be built."""
-    return load_extension(EXTENSION, ATTENTION_SOURCE)
+    return load_extension(EXTENSION, ATTENTION_SOURCE, ATTENTION_CFLAGS)
 
 
 def _reference_backend() -> type[AttentionBackend]:

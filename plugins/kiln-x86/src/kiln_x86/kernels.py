@@ -30,6 +30,9 @@ SOURCE = Path(__file__).parent / "csrc" / "x86_ops.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 
 ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "x86_attention.cpp"
+ATTENTION_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+"""Products may fuse into FMAs here: attention matches the reference to float32 precision, not
+bit for bit (its sums run in another order anyway)."""
 
 _STATE: dict[str, ModuleType | None] = {}
 
@@ -41,10 +44,12 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def extension_name(stem: str = "kiln_x86_ops", source: Path = SOURCE) -> str:
+def extension_name(
+    stem: str = "kiln_x86_ops", source: Path = SOURCE, cflags: list[str] = CFLAGS
+) -> str:
     """``<stem>_<isa>_<hash of source and flags>``: one build per CPU kind and source."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:10]
     return f"{stem}_{isa}_{digest}"
 
 
@@ -54,12 +59,12 @@ def load_kernels() -> ModuleType | None:
     return load_extension("kiln_x86_ops", SOURCE)
 
 
-def load_extension(stem: str, source: Path) -> ModuleType | None:
-    """The C++ extension built from ``source`` (into the cache on first use, named after
-    ``stem``), or None, once logged, if it cannot be built here."""
+def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> ModuleType | None:
+    """The C++ extension built from ``source`` with ``cflags`` (into the cache on first use,
+    named after ``stem``), or None, once logged, if it cannot be built here."""
     if stem in _STATE:
         return _STATE[stem]
-    name = extension_name(stem, source)
+    name = extension_name(stem, source, cflags)
     build_dir = cache_dir() / name
     cached = any(build_dir.glob(f"{name}*.so")) if build_dir.exists() else False
     if not cached:
@@ -82,7 +87,7 @@ def load_extension(stem: str, source: Path) -> ModuleType | None:
         module = cpp_extension.load(
             name=name,
             sources=[str(source)],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags,
             build_directory=str(build_dir),
             verbose=False,
         )
@@ -98,6 +103,8 @@ def load_extension(stem: str, source: Path) -> ModuleType | None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = load_kernels() and load_extension("kiln_x86_attention", ATTENTION_SOURCE)
+    built = load_kernels() and load_extension(
+        "kiln_x86_attention", ATTENTION_SOURCE, ATTENTION_CFLAGS
+    )
     print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
     raise SystemExit(0 if built else 1)

@@ -30,7 +30,8 @@
 
 namespace {
 
-constexpr int64_t kQueryTile = 16;     // query tokens per prefill item
+constexpr int64_t kQueryTile = 32;     // query tokens per prefill item
+constexpr int64_t kChunkKeys = 128;    // keys per product in a prefill item
 constexpr int64_t kSplitTokens = 256;  // context per item when a decode is split
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -106,106 +107,285 @@ struct Problem {
   int64_t sliding_window;  // <= 0: none
 };
 
-// Per-thread buffers, float32.
+// torch's x86 wheels link MKL into libtorch_cpu, which this extension links against: its BLAS
+// runs the prefill tiles' products (float32, and bfloat16 x bfloat16 -> float32 on CPUs with
+// bf16 instructions). Column-major Fortran sgemm; CBLAS's enums are ints.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k,
+                                       float alpha, const uint16_t* a, int lda, const uint16_t* b,
+                                       int ldb, float beta, float* c, int ldc);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
+
+// Row-major s[rows, keys] = a[rows, d] . b[keys, d]^T, float32 results.
+void scores_gemm(const float* a, const float* b, float* s, int rows, int keys, int d) {
+  const float one = 1.0f, zero = 0.0f;
+  // Column-major: s^T [keys, rows] = b [keys, d] . a^T [d, rows].
+  sgemm_("T", "N", &keys, &rows, &d, &one, b, &d, a, &d, &zero, s, &keys);
+}
+
+void scores_gemm(const c10::BFloat16* a, const c10::BFloat16* b, float* s, int rows, int keys,
+                 int d) {
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasTrans, rows, keys, d, 1.0f,
+                         reinterpret_cast<const uint16_t*>(a), d,
+                         reinterpret_cast<const uint16_t*>(b), d, 0.0f, s, keys);
+}
+
+// Row-major o[rows, d] += p[rows, keys] . v[keys, d], float32.
+void output_gemm(const float* p, const float* v, float* o, int rows, int keys, int d) {
+  const float one = 1.0f;
+  // Column-major: o^T [d, rows] += v^T [d, keys] . p^T [keys, rows].
+  sgemm_("N", "N", &d, &rows, &keys, &one, v, &d, p, &keys, &one, o, &d);
+}
+
+// 16 float32 lanes (one AVX-512 register, two AVX2 ones), and loads that widen bf16 exactly.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf16 load16(const c10::BFloat16* p) {
+  vu16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu32x16 w = __builtin_convertvector(h, vu32x16) << 16;
+  vf16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+typedef int32_t vi32x16 __attribute__((vector_size(64)));
+
+inline vf16 splat(float x) { return vf16{} + x; }
+
+// Lane j of the result: the sum of a[j]'s 16 lanes (an add tree that transposes as it goes: at
+// each level, pairs of vectors swap halves of their lanes' partial sums).
+inline vf16 sum_lanes16(const vf16* a) {
+  vf16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) {
+    const vf16 x = a[2 * i], y = a[2 * i + 1];
+    l1[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                    31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const vf16 x = l1[2 * i], y = l1[2 * i + 1];
+    l2[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                    31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const vf16 x = l2[2 * i], y = l2[2 * i + 1];
+    l3[i] = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                    31);
+  }
+  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// exp_nonpositive on 16 lanes (rounding n to nearest with the 1.5 * 2^23 trick instead of floor).
+inline vf16 exp_nonpositive16(vf16 x) {
+  const vi32x16 in_range = x > splat(-87.0f);
+  x = in_range ? x : splat(0.0f);
+  const vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const vf16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf16 p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi32x16 bits = (__builtin_convertvector(n, vi32x16) + 127) << 23;
+  vf16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return in_range ? p * scale : splat(0.0f);
+}
+
+// Per-thread buffers.
 struct Scratch {
-  std::vector<float> q, o, s, kt, v, m, l;
-  Scratch(int64_t rows, int64_t d, int64_t bs)
-      : q(rows * d), o(rows * d), s(rows * bs), kt(d * bs), v(bs * d), m(rows), l(rows) {}
+  std::vector<float> q, o, s, v, m, l;
+  std::vector<uint8_t> tile_q, tile_k;  // the tile path's query rows and key chunk, in T
+  Scratch(int64_t rows, int64_t d, int64_t keys, int64_t elem_size)
+      : q(rows * d), o(rows * d), s(rows * keys), v(keys * d), m(rows), l(rows),
+        tile_q(rows * d * elem_size), tile_k(keys * d * elem_size) {}
 };
 
-// Runs one item; leaves each row's unnormalized output, running max and sum in `sc`.
+// The keys [lo, hi) an item may see (rows narrow it further: causal, sliding window).
+struct KeyRange {
+  int64_t lo, hi;
+};
+
+KeyRange key_range(const Problem& p, const WorkItem& it, int64_t pos0, int64_t num_tokens) {
+  int64_t lo = it.ctx_begin;
+  if (p.sliding_window > 0) lo = std::max<int64_t>(lo, pos0 - p.sliding_window + 1);
+  return {lo, std::min<int64_t>(it.ctx_end, pos0 + num_tokens)};
+}
+
+// Online softmax step of one row over scores s[0, n) (already scaled, -inf where masked, at
+// least one finite): updates the running max and sum, rescales the row's output, leaves the
+// probabilities in s.
+inline void softmax_step(float* s, int64_t n, float* m, float* l, float* orow, int64_t d) {
+  const int64_t n16 = n / 16 * 16;
+  vf16 max16 = splat(kNegInf);
+  for (int64_t j = 0; j < n16; j += 16) {
+    const vf16 x = load16(s + j);
+    max16 = x > max16 ? x : max16;
+  }
+  float block_max = kNegInf;
+  for (int i = 0; i < 16; ++i) block_max = std::max(block_max, max16[i]);
+  for (int64_t j = n16; j < n; ++j) block_max = std::max(block_max, s[j]);
+  const float new_max = std::max(*m, block_max);
+  const float correction = exp_nonpositive(*m - new_max);  // 0 on the row's first keys
+  vf16 sum16 = {};
+  for (int64_t j = 0; j < n16; j += 16) {
+    const vf16 e = exp_nonpositive16(load16(s + j) - new_max);
+    std::memcpy(s + j, &e, sizeof(e));
+    sum16 += e;
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < 16; ++i) sum += sum16[i];
+  for (int64_t j = n16; j < n; ++j) {
+    s[j] = exp_nonpositive(s[j] - new_max);
+    sum += s[j];
+  }
+  *m = new_max;
+  *l = *l * correction + sum;
+  for (int64_t i = 0; i < d; ++i) orow[i] *= correction;
+}
+
+// One query token (rows: its `group` heads), head_size a multiple of 16: keys and values are
+// read from the cache blocks in place, 16 lanes at a time, widened to float32 in registers.
 template <typename T>
-void attend(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
-            const T* value_cache, Scratch& sc) {
+void attend_token(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
+                  const T* value_cache, Scratch& sc) {
+  const int64_t d = p.head_size, bs = p.block_size, group = p.group, lanes = d / 16;
+  const int64_t pos0 = p.seq_lens[it.req] - (p.query_start_loc[it.req + 1] - it.token_begin);
+  const int32_t* table = p.block_table + it.req * p.table_stride;
+  float* q = sc.q.data();
+  float* o = sc.o.data();
+  float* s = sc.s.data();  // [group, block_size]
+  for (int64_t g = 0; g < group; ++g) {
+    const T* src = query + it.token_begin * p.q_stride_token +
+                   (it.kv_head * group + g) * p.q_stride_head;
+    for (int64_t i = 0; i < d; ++i) q[g * d + i] = to_float(src[i]) * p.scale;
+  }
+  std::fill(o, o + group * d, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + group, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + group, 0.0f);
+  const KeyRange range = key_range(p, it, pos0, 1);
+  for (int64_t block_start = range.lo / bs * bs; block_start < range.hi; block_start += bs) {
+    const int64_t block = table[block_start / bs];
+    const int64_t j0 = std::max(range.lo, block_start) - block_start;
+    const int64_t j1 = std::min(range.hi, block_start + bs) - block_start;
+    const T* kb = key_cache + block * p.kv_stride_block + it.kv_head * p.kv_stride_head;
+    const T* vb = value_cache + block * p.kv_stride_block + it.kv_head * p.kv_stride_head;
+    // Scores 16 keys at a time: a vector of partial products per key, then one add tree.
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      for (int64_t jb = j0; jb < j1; jb += 16) {
+        const int64_t nj = std::min<int64_t>(16, j1 - jb);
+        vf16 acc[16] = {};
+        for (int64_t j = 0; j < nj; ++j) {
+          const T* kr = kb + (jb + j) * p.kv_stride_slot;
+          for (int64_t c = 0; c < lanes; ++c) acc[j] += load16(qg + c * 16) * load16(kr + c * 16);
+        }
+        const vf16 sums = sum_lanes16(acc);
+        for (int64_t j = 0; j < nj; ++j) s[g * bs + jb + j - j0] = sums[j];
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      softmax_step(s + g * bs, j1 - j0, &sc.m[g], &sc.l[g], o + g * d, d);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* vr = vb + j * p.kv_stride_slot;
+      for (int64_t c = 0; c < lanes; ++c) {
+        const vf16 vv = load16(vr + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          vf16 acc = load16(o + g * d + c * 16) + s[g * bs + j - j0] * vv;
+          std::memcpy(o + g * d + c * 16, &acc, sizeof(acc));
+        }
+      }
+    }
+  }
+}
+
+// A tile of query tokens (rows: token-major, then the group's heads): the keys are taken a chunk
+// of kChunkKeys at a time (whole blocks) into per-thread buffers, and both products are BLAS
+// calls; only the tile's chunk is ever copied, never the request's whole context.
+template <typename T>
+void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
+                 const T* value_cache, Scratch& sc) {
   const int64_t d = p.head_size, bs = p.block_size, group = p.group;
   const int64_t num_tokens = it.token_end - it.token_begin;
   const int64_t rows = num_tokens * group;
-  const int64_t query_len = p.query_start_loc[it.req + 1] - p.query_start_loc[it.req];
-  const int64_t num_computed = p.seq_lens[it.req] - query_len;
-  // Context position of the tile's first token.
-  const int64_t pos0 = num_computed + (it.token_begin - p.query_start_loc[it.req]);
+  const int64_t pos0 = p.seq_lens[it.req] - (p.query_start_loc[it.req + 1] - it.token_begin);
   const int32_t* table = p.block_table + it.req * p.table_stride;
-
-  float* q = sc.q.data();
-  float* o = sc.o.data();
-  float* s = sc.s.data();
-  float* kt = sc.kt.data();
-  float* v = sc.v.data();
-  float* m = sc.m.data();
-  float* l = sc.l.data();
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / bs) * bs;
+  T* q = reinterpret_cast<T*>(sc.tile_q.data());  // [rows, d]
+  T* k = reinterpret_cast<T*>(sc.tile_k.data());  // [chunk, d]
+  float* v = sc.v.data();                         // [chunk, d]
+  float* s = sc.s.data();                         // [rows, chunk]
+  float* o = sc.o.data();                         // [rows, d]
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const T* src = query + (it.token_begin + t) * p.q_stride_token +
                      (it.kv_head * group + g) * p.q_stride_head;
-      float* dst = q + (t * group + g) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * p.scale;
+      std::copy(src, src + d, q + (t * group + g) * d);
     }
   }
   std::fill(o, o + rows * d, 0.0f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.0f);
-
-  // Keys any row of the tile may see.
-  const int64_t last_pos = pos0 + num_tokens - 1;
-  int64_t lo = it.ctx_begin;
-  if (p.sliding_window > 0) lo = std::max<int64_t>(lo, pos0 - p.sliding_window + 1);
-  const int64_t hi = std::min<int64_t>(it.ctx_end, last_pos + 1);  // exclusive
-  for (int64_t block_start = lo / bs * bs; block_start < hi; block_start += bs) {
-    const int64_t block = table[block_start / bs];
-    const int64_t k_begin = std::max(lo, block_start) - block_start;  // valid slots in the block
-    const int64_t k_end = std::min(hi, block_start + bs) - block_start;
-    const T* kb = key_cache + block * p.kv_stride_block + it.kv_head * p.kv_stride_head;
-    const T* vb = value_cache + block * p.kv_stride_block + it.kv_head * p.kv_stride_head;
-    // K transposed to [d, bs] so that scores vectorize over the block's keys; V as [bs, d].
-    // Slots outside [k_begin, k_end) may hold anything (never written): zeros, never read as NaN.
-    for (int64_t j = 0; j < bs; ++j) {
-      const bool valid = j >= k_begin && j < k_end;
-      const T* kr = kb + j * p.kv_stride_slot;
-      const T* vr = vb + j * p.kv_stride_slot;
-      for (int64_t i = 0; i < d; ++i) {
-        kt[i * bs + j] = valid ? to_float(kr[i]) : 0.0f;
-        v[j * d + i] = valid ? to_float(vr[i]) : 0.0f;
-      }
+  std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+  const KeyRange range = key_range(p, it, pos0, num_tokens);
+  for (int64_t c0 = range.lo / bs * bs; c0 < range.hi; c0 += chunk) {
+    const int64_t c1 = std::min(range.hi, c0 + chunk);  // keys [c0, c1)
+    const int64_t n = c1 - c0;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t block = table[(c0 + j) / bs];
+      const int64_t offset = block * p.kv_stride_block + ((c0 + j) % bs) * p.kv_stride_slot +
+                             it.kv_head * p.kv_stride_head;
+      // Keys before `lo` (the chunk starts at a block edge) are copied but masked below.
+      std::copy(key_cache + offset, key_cache + offset + d, k + j * d);
+      for (int64_t i = 0; i < d; ++i) v[j * d + i] = to_float(value_cache[offset + i]);
     }
+    scores_gemm(q, k, s, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = pos0 + r / group;
-      // This row's keys in the block: [row_lo, row_hi).
-      const int64_t row_hi = std::min<int64_t>(k_end, pos + 1 - block_start);
-      int64_t row_lo = k_begin;
-      if (p.sliding_window > 0) {
-        row_lo = std::max<int64_t>(row_lo, pos - p.sliding_window + 1 - block_start);
+      int64_t lo = std::max(range.lo, c0);
+      if (p.sliding_window > 0) lo = std::max<int64_t>(lo, pos - p.sliding_window + 1);
+      const int64_t hi = std::min(c1, pos + 1);
+      float* sr = s + r * n;
+      if (lo >= hi) {  // no key of this chunk for this row
+        std::fill(sr, sr + n, 0.0f);
+        continue;
       }
-      if (row_lo >= row_hi) continue;
-      float* sr = s + r * bs;
-      const float* qr = q + r * d;
-      std::fill(sr, sr + bs, 0.0f);
-      for (int64_t i = 0; i < d; ++i) {
-        const float qi = qr[i];
-        const float* ki = kt + i * bs;
-        for (int64_t j = 0; j < bs; ++j) sr[j] += qi * ki[j];
+      for (int64_t j = 0; j < n; ++j) {
+        const bool visible = c0 + j >= lo && c0 + j < hi;
+        sr[j] = visible ? sr[j] * p.scale : kNegInf;
       }
-      float block_max = kNegInf;
-      for (int64_t j = 0; j < bs; ++j) {
-        sr[j] = (j >= row_lo && j < row_hi) ? sr[j] : kNegInf;
-        block_max = std::max(block_max, sr[j]);
-      }
-      const float new_max = std::max(m[r], block_max);
-      const float correction = exp_nonpositive(m[r] - new_max);  // 0 on the first block
-      float block_sum = 0.0f;
-      for (int64_t j = 0; j < bs; ++j) {
-        sr[j] = exp_nonpositive(sr[j] - new_max);
-        block_sum += sr[j];
-      }
-      m[r] = new_max;
-      l[r] = l[r] * correction + block_sum;
-      float* orow = o + r * d;
-      for (int64_t i = 0; i < d; ++i) orow[i] *= correction;
-      for (int64_t j = row_lo; j < row_hi; ++j) {
-        const float pj = sr[j];
-        const float* vj = v + j * d;
-        for (int64_t i = 0; i < d; ++i) orow[i] += pj * vj[i];
-      }
+      softmax_step(sr, n, &sc.m[r], &sc.l[r], o + r * d, d);
     }
+    output_gemm(s, v, o, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d));
+  }
+}
+
+template <typename T>
+void attend(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
+            const T* value_cache, Scratch& sc) {
+  if (it.token_end - it.token_begin == 1 && p.head_size % 16 == 0) {
+    attend_token<T>(p, it, query, key_cache, value_cache, sc);
+  } else {
+    attend_tile<T>(p, it, query, key_cache, value_cache, sc);
   }
 }
 
@@ -279,7 +459,7 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
-    Scratch sc(kQueryTile * group, d, p.block_size);
+    Scratch sc(kQueryTile * group, d, std::max(kChunkKeys, p.block_size), sizeof(T));
     for (int64_t i = next++; i < num_items; i = next++) {
       const WorkItem& it = items[i];
       attend<T>(p, it, query, key_cache, value_cache, sc);
@@ -307,7 +487,7 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
   }
   const int64_t span = std::max<int64_t>(1, kSplitTokens / p.block_size) * p.block_size;
   at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch sc(group, d, 1);
+    Scratch sc(group, d, 1, sizeof(T));
     for (int64_t hi = begin; hi < end; ++hi) {
       const WorkItem& it = heads[hi];
       const int64_t num_parts = (p.seq_lens[it.req] + span - 1) / span;
