@@ -196,7 +196,10 @@ def test_guide_commands_scaffold_install_and_pass_the_kit(
     blocks: list[Block], tmp_path: Path
 ) -> None:
     venv = _fresh_venv(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PIP_"))}
+    # A fresh shell, as an author's: no pytest or pip settings, no platform or plugin choice
+    # left behind by an earlier test.
+    dropped = ("PYTEST_", "PIP_", "KILN_PLATFORM", "KILN_PLUGINS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     env.update(
         PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}",
         VIRTUAL_ENV=str(venv),
