@@ -160,9 +160,12 @@ def _fresh_venv(root: Path) -> Path:
         f"import site; site.addsitedir({parent!r})\n"
     )
     kiln = venv / "bin" / "kiln"
+    # What pip writes for a console script (the guard matters: kiln serve spawns processes
+    # that re-import the main module).
     kiln.write_text(
         f"#!{venv / 'bin' / 'python'}\nimport sys\n"
-        "from kiln.entrypoints.cli import main\nsys.exit(main())\n"
+        "from kiln.entrypoints.cli import main\n"
+        "if __name__ == '__main__':\n    sys.exit(main())\n"
     )
     kiln.chmod(0o755)
     return venv
