@@ -26,12 +26,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kQueryTile = 32;     // query tokens per prefill item
-constexpr int64_t kChunkKeys = 128;    // keys per product in a prefill item
+constexpr int64_t kQueryTile = 64;     // query tokens per prefill item
+constexpr int64_t kChunkKeys = 256;    // keys per product in a prefill item
 constexpr int64_t kSplitTokens = 256;  // context per item when a decode is split
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -107,30 +108,19 @@ struct Problem {
   int64_t sliding_window;  // <= 0: none
 };
 
-// torch's x86 wheels link MKL into libtorch_cpu, which this extension links against: its BLAS
-// runs the prefill tiles' products (float32, and bfloat16 x bfloat16 -> float32 on CPUs with
-// bf16 instructions). Column-major Fortran sgemm; CBLAS's enums are ints.
+// torch's x86 wheels link MKL into libtorch_cpu, which this extension links against: its float32
+// GEMM runs the prefill tiles' products (column-major Fortran sgemm). (MKL's bf16 x bf16 -> f32
+// GEMM measured slower than sgemm on float32 copies at these sizes, 96-192 x 64 x 128-256.)
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
                        const float* b, const int* ldb, const float* beta, float* c,
                        const int* ldc);
-extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k,
-                                       float alpha, const uint16_t* a, int lda, const uint16_t* b,
-                                       int ldb, float beta, float* c, int ldc);
-constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 
 // Row-major s[rows, keys] = a[rows, d] . b[keys, d]^T, float32 results.
 void scores_gemm(const float* a, const float* b, float* s, int rows, int keys, int d) {
   const float one = 1.0f, zero = 0.0f;
   // Column-major: s^T [keys, rows] = b [keys, d] . a^T [d, rows].
   sgemm_("T", "N", &keys, &rows, &d, &one, b, &d, a, &d, &zero, s, &keys);
-}
-
-void scores_gemm(const c10::BFloat16* a, const c10::BFloat16* b, float* s, int rows, int keys,
-                 int d) {
-  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasTrans, rows, keys, d, 1.0f,
-                         reinterpret_cast<const uint16_t*>(a), d,
-                         reinterpret_cast<const uint16_t*>(b), d, 0.0f, s, keys);
 }
 
 // Row-major o[rows, d] += p[rows, keys] . v[keys, d], float32.
@@ -213,11 +203,14 @@ inline vf16 exp_nonpositive16(vf16 x) {
 
 // Per-thread buffers.
 struct Scratch {
-  std::vector<float> q, o, s, v, m, l;
-  std::vector<uint8_t> tile_q, tile_k;  // the tile path's query rows and key chunk, in T
-  Scratch(int64_t rows, int64_t d, int64_t keys, int64_t elem_size)
-      : q(rows * d), o(rows * d), s(rows * keys), v(keys * d), m(rows), l(rows),
-        tile_q(rows * d * elem_size), tile_k(keys * d * elem_size) {}
+  std::unique_ptr<float[]> q_buf, o_buf, s_buf, k_buf, v_buf, m_buf, l_buf;  // not zeroed
+  float *q, *o, *s, *k, *v, *m, *l;
+  // `rows` query rows of `d`, and scores against up to `keys` keys at a time.
+  Scratch(int64_t rows, int64_t d, int64_t keys)
+      : q_buf(new float[rows * d]), o_buf(new float[rows * d]), s_buf(new float[rows * keys]),
+        k_buf(new float[keys * d]), v_buf(new float[keys * d]), m_buf(new float[rows]),
+        l_buf(new float[rows]), q(q_buf.get()), o(o_buf.get()), s(s_buf.get()), k(k_buf.get()),
+        v(v_buf.get()), m(m_buf.get()), l(l_buf.get()) {}
 };
 
 // The keys [lo, hi) an item may see (rows narrow it further: causal, sliding window).
@@ -271,17 +264,17 @@ void attend_token(const Problem& p, const WorkItem& it, const T* query, const T*
   const int64_t d = p.head_size, bs = p.block_size, group = p.group, lanes = d / 16;
   const int64_t pos0 = p.seq_lens[it.req] - (p.query_start_loc[it.req + 1] - it.token_begin);
   const int32_t* table = p.block_table + it.req * p.table_stride;
-  float* q = sc.q.data();
-  float* o = sc.o.data();
-  float* s = sc.s.data();  // [group, block_size]
+  float* q = sc.q;
+  float* o = sc.o;
+  float* s = sc.s;  // [group, block_size]
   for (int64_t g = 0; g < group; ++g) {
     const T* src = query + it.token_begin * p.q_stride_token +
                    (it.kv_head * group + g) * p.q_stride_head;
     for (int64_t i = 0; i < d; ++i) q[g * d + i] = to_float(src[i]) * p.scale;
   }
   std::fill(o, o + group * d, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + group, kNegInf);
-  std::fill(sc.l.begin(), sc.l.begin() + group, 0.0f);
+  std::fill(sc.m, sc.m + group, kNegInf);
+  std::fill(sc.l, sc.l + group, 0.0f);
   const KeyRange range = key_range(p, it, pos0, 1);
   for (int64_t block_start = range.lo / bs * bs; block_start < range.hi; block_start += bs) {
     const int64_t block = table[block_start / bs];
@@ -331,21 +324,21 @@ void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* 
   const int64_t pos0 = p.seq_lens[it.req] - (p.query_start_loc[it.req + 1] - it.token_begin);
   const int32_t* table = p.block_table + it.req * p.table_stride;
   const int64_t chunk = std::max<int64_t>(1, kChunkKeys / bs) * bs;
-  T* q = reinterpret_cast<T*>(sc.tile_q.data());  // [rows, d]
-  T* k = reinterpret_cast<T*>(sc.tile_k.data());  // [chunk, d]
-  float* v = sc.v.data();                         // [chunk, d]
-  float* s = sc.s.data();                         // [rows, chunk]
-  float* o = sc.o.data();                         // [rows, d]
+  float* q = sc.q;  // [rows, d]
+  float* k = sc.k;  // [chunk, d]
+  float* v = sc.v;  // [chunk, d]
+  float* s = sc.s;  // [rows, chunk]
+  float* o = sc.o;  // [rows, d]
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const T* src = query + (it.token_begin + t) * p.q_stride_token +
                      (it.kv_head * group + g) * p.q_stride_head;
-      std::copy(src, src + d, q + (t * group + g) * d);
+      for (int64_t i = 0; i < d; ++i) q[(t * group + g) * d + i] = to_float(src[i]) * p.scale;
     }
   }
   std::fill(o, o + rows * d, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+  std::fill(sc.m, sc.m + rows, kNegInf);
+  std::fill(sc.l, sc.l + rows, 0.0f);
   const KeyRange range = key_range(p, it, pos0, num_tokens);
   for (int64_t c0 = range.lo / bs * bs; c0 < range.hi; c0 += chunk) {
     const int64_t c1 = std::min(range.hi, c0 + chunk);  // keys [c0, c1)
@@ -355,7 +348,7 @@ void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* 
       const int64_t offset = block * p.kv_stride_block + ((c0 + j) % bs) * p.kv_stride_slot +
                              it.kv_head * p.kv_stride_head;
       // Keys before `lo` (the chunk starts at a block edge) are copied but masked below.
-      std::copy(key_cache + offset, key_cache + offset + d, k + j * d);
+      for (int64_t i = 0; i < d; ++i) k[j * d + i] = to_float(key_cache[offset + i]);
       for (int64_t i = 0; i < d; ++i) v[j * d + i] = to_float(value_cache[offset + i]);
     }
     scores_gemm(q, k, s, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d));
@@ -369,20 +362,23 @@ void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* 
         std::fill(sr, sr + n, 0.0f);
         continue;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const bool visible = c0 + j >= lo && c0 + j < hi;
-        sr[j] = visible ? sr[j] * p.scale : kNegInf;
-      }
+      // Masked: the chunk's keys before the row's first visible one and after its own position.
+      std::fill(sr, sr + (lo - c0), kNegInf);
+      std::fill(sr + (hi - c0), sr + n, kNegInf);
       softmax_step(sr, n, &sc.m[r], &sc.l[r], o + r * d, d);
     }
     output_gemm(s, v, o, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d));
   }
 }
 
+inline bool uses_tile(const Problem& p, const WorkItem& it) {
+  return it.token_end - it.token_begin > 1 || p.head_size % 16 != 0;
+}
+
 template <typename T>
 void attend(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
             const T* value_cache, Scratch& sc) {
-  if (it.token_end - it.token_begin == 1 && p.head_size % 16 == 0) {
+  if (!uses_tile(p, it)) {
     attend_token<T>(p, it, query, key_cache, value_cache, sc);
   } else {
     attend_tile<T>(p, it, query, key_cache, value_cache, sc);
@@ -396,7 +392,7 @@ void write_rows(const Problem& p, const WorkItem& it, const Scratch& sc, T* out)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = t * group + g;
       const float inv = 1.0f / sc.l[r];  // l > 0: a row always sees its own position
-      const float* orow = sc.o.data() + r * d;
+      const float* orow = sc.o + r * d;
       T* dst = out + (it.token_begin + t) * p.out_stride_token +
                (it.kv_head * group + g) * p.out_stride_head;
       for (int64_t i = 0; i < d; ++i) dst[i] = round_to<T>(orow[i] * inv);
@@ -454,12 +450,19 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
   // Split decodes' parts: unnormalized output [group, d], then max and sum [group] each.
   const int64_t partial_size = group * (d + 2);
   std::vector<float> partials(num_partials * partial_size);
-  std::vector<const WorkItem*> firsts;  // each split decode's first part (parts are contiguous)
 
+  // Each thread's buffers fit the step's largest item: decode-only steps need little.
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / p.block_size) * p.block_size;
+  int64_t max_tokens = 1;
+  int64_t keys = p.block_size;
+  for (const WorkItem& it : items) {
+    max_tokens = std::max<int64_t>(max_tokens, it.token_end - it.token_begin);
+    if (uses_tile(p, it)) keys = std::max(keys, chunk);
+  }
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
-    Scratch sc(kQueryTile * group, d, std::max(kChunkKeys, p.block_size), sizeof(T));
+    Scratch sc(max_tokens * group, d, keys);
     for (int64_t i = next++; i < num_items; i = next++) {
       const WorkItem& it = items[i];
       attend<T>(p, it, query, key_cache, value_cache, sc);
@@ -468,9 +471,9 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
         continue;
       }
       float* dst = partials.data() + it.partial * partial_size;
-      std::copy(sc.o.begin(), sc.o.begin() + group * d, dst);
-      std::copy(sc.m.begin(), sc.m.begin() + group, dst + group * d);
-      std::copy(sc.l.begin(), sc.l.begin() + group, dst + group * d + group);
+      std::copy(sc.o, sc.o + group * d, dst);
+      std::copy(sc.m, sc.m + group, dst + group * d);
+      std::copy(sc.l, sc.l + group, dst + group * d + group);
     }
   };
   if (num_items > 1 && num_threads > 1) {
@@ -487,7 +490,7 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
   }
   const int64_t span = std::max<int64_t>(1, kSplitTokens / p.block_size) * p.block_size;
   at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch sc(group, d, 1, sizeof(T));
+    Scratch sc(group, d, 1);
     for (int64_t hi = begin; hi < end; ++hi) {
       const WorkItem& it = heads[hi];
       const int64_t num_parts = (p.seq_lens[it.req] + span - 1) / span;
@@ -498,7 +501,7 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
           max_all = std::max(max_all, part[group * d + g]);
         }
         float sum = 0.0f;
-        float* og = sc.o.data() + g * d;
+        float* og = sc.o + g * d;
         std::fill(og, og + d, 0.0f);
         for (int64_t k = 0; k < num_parts; ++k) {
           const float* part = partials.data() + (it.partial + k) * partial_size;
