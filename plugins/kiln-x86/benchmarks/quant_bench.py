@@ -1,0 +1,119 @@
+"""Weight-only GGUF matmul against dense bf16 ``F.linear``, on SmolLM2-135M's shapes.
+
+Microseconds per call, the best of ``--repeat`` loops in thread CPU time (one thread), every
+column from the same run. Columns: dense bf16 and float32 ``F.linear`` (the
+baselines), kiln-x86's kernel (``quant.matmul``: C++ up to ``MAX_KERNEL_ROWS`` rows, then
+dequantize + dense GEMM), the C++ kernel alone and dequantize + bf16 GEMM alone at every row
+count, and torch's built-in int4
+kernel (``_weight_int4pack_mm_for_cpu``, group 32) with float32 activations and with bfloat16
+ones (whose scales and zeros it wants in bfloat16, which GGUF's float16 scales do not survive).
+
+    python plugins/kiln-x86/benchmarks/quant_bench.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from kiln_x86 import quant
+
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+
+
+def best_us(fn, repeat: int, budget_s: float = 0.02) -> float:
+    """Best of ``repeat`` loops, in this thread's CPU time (the machine is shared: wall time
+    counts other processes' slices; with ``--threads 1`` torch runs on this thread)."""
+    fn()
+    start = time.thread_time()
+    fn()
+    once = max(time.thread_time() - start, 1e-6)
+    loops = max(1, int(budget_s / once))
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.thread_time()
+        for _ in range(loops):
+            fn()
+        best = min(best, (time.thread_time() - start) / loops)
+    return best * 1e6
+
+
+def int4pack(w: np.ndarray):
+    """Q4_1 of w as torch's int4 layout: w = (q - 8) * scale + zero, group 32."""
+    n, k = w.shape
+    raw = gguf.quants.quantize(w, T.Q4_1)
+    p = quant.pack(torch.from_numpy(raw), T.Q4_1, n, k)
+    lo, hi = p.qweight & 0x0F, p.qweight >> 4
+    q = torch.stack([lo.reshape(n, -1, 16), hi.reshape(n, -1, 16)], 2).reshape(n, k).int()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    zero = p.mins + 8 * p.scales  # (q - 8) * s + zero == q * s + min
+    sz = torch.stack([p.scales.t(), zero.t()], -1).contiguous()
+    return packed, sz
+
+
+COLUMNS = [
+    "bf16 dense",
+    "fp32 dense",
+    "kiln-x86 (bf16 x)",
+    "C++ kernel",
+    "dequant + GEMM",
+    "torch int4 (fp32 x)",
+    "torch int4 (bf16 x)",
+]
+
+
+def measure_row(w: np.ndarray, qtype: T, rows: int, repeat: int) -> list[float]:
+    """One table row: microseconds per call of each column (NaN where it does not apply)."""
+    n, k = w.shape
+    p = quant.pack(torch.from_numpy(gguf.quants.quantize(w, qtype)), qtype, n, k)
+    ext = quant.load_quant_kernels()
+    wb, wf = torch.from_numpy(w).bfloat16(), torch.from_numpy(w)
+    xb = torch.randn(rows, k).bfloat16()
+    xf = xb.float()
+    int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    calls = [
+        lambda: torch.nn.functional.linear(xb, wb),
+        lambda: torch.nn.functional.linear(xf, wf),
+        lambda: quant.matmul(xb, p),
+        lambda: ext.qmatmul(xb, p.qweight, p.scales, p.mins, p.group, p.bits),
+        lambda: torch.nn.functional.linear(xb, quant.dequantize(p, torch.bfloat16)),
+    ]
+    cols = [best_us(fn, repeat) for fn in calls]
+    if qtype == T.Q4_1 and rows <= 16:  # slow beyond
+        i4, sz = int4pack(w)
+        szb = sz.bfloat16()
+        cols.append(best_us(lambda: int4_mm(xf, i4, 32, sz), repeat))
+        cols.append(best_us(lambda: int4_mm(xb, i4, 32, szb), repeat))
+    else:
+        cols += [float("nan")] * 2
+    return cols
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--rows", default="1,8,16,128")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    print(f"threads={args.threads} load={os.getloadavg()[0]:.1f}")
+    print("| in -> out | format | rows | " + " | ".join(COLUMNS) + " |")
+    print("|---|---|---|" + "---|" * len(COLUMNS))
+    for k, n in SHAPES:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        qtype = T.Q8_0 if n == 49152 else T.Q4_1  # the default model's formats
+        for rows in [int(r) for r in args.rows.split(",")]:
+            cols = measure_row(w, qtype, rows, args.repeat)
+            cells = " | ".join("-" if c != c else f"{c:.0f}" for c in cols)
+            print(f"| {k} -> {n} | {qtype.name} | {rows} | {cells} |", flush=True)
+    print(f"load={os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
