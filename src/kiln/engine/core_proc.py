@@ -20,6 +20,7 @@ forever).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -51,6 +52,10 @@ class ReadyMessage(msgspec.Struct):
     """``EngineCore.startup_seconds``: load, KV cache, warm-up and graph capture."""
     warmup_s: float = 0.0
     """``EngineCore.warmup_seconds``: warm-up and graph capture (compiles, if any)."""
+    plugin_report: str = ""
+    """``kiln plugins --json`` as this process sees it, once the engine is built: the engine
+    core is where the platform acts (its worker, patches and ops), so ``GET /debug/plugins``
+    shows this report rather than the API server's."""
 
 
 class StartupError(msgspec.Struct):
@@ -133,6 +138,7 @@ def run_engine_core(
             os.getpid(),
             startup_s=engine.startup_seconds,
             warmup_s=engine.warmup_seconds,
+            plugin_report=_plugin_report(config),
         )
         outputs.send_multipart([READY, encoder.encode(ready)])
     except Exception:
@@ -153,6 +159,13 @@ def run_engine_core(
         ctx.term()
         if orphaned:
             _remove_ipc_dir(input_addr, output_addr)
+
+
+def _plugin_report(config: KilnConfig) -> str:
+    from kiln.plugins.introspection import build_report
+    from kiln.plugins.manager import get_plugin_manager
+
+    return json.dumps(build_report(get_plugin_manager(), config))
 
 
 def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent: _Parent) -> None:

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -215,10 +216,16 @@ def build_app(
 
     @app.get("/debug/plugins")
     async def debug_plugins() -> Response:
+        """The engine core's report (it reported at start-up), with this process's under
+        ``api_process``: the platform acts in the engine core (worker, ops, patches)."""
         from kiln.plugins.introspection import build_report
         from kiln.plugins.manager import get_plugin_manager
 
-        return _json(build_report(get_plugin_manager(), state.llm.config))
+        api = build_report(get_plugin_manager(), state.llm.config, check_classes=False)
+        ready = state.llm.client.ready
+        if ready is None or not ready.plugin_report:
+            return _json(api)
+        return _json({**json.loads(ready.plugin_report), "api_process": api})
 
     return app
 
