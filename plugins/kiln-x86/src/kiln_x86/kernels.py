@@ -13,11 +13,14 @@ and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kil
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import sysconfig
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +38,24 @@ ATTENTION_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
 bit for bit (its sums run in another order anyway)."""
 
 _STATE: dict[str, ModuleType | None] = {}
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir``'s build lock: one process builds or loads it at a time.
+
+    torch's own lock is a file it deletes when a build ends, so a build killed mid-way (Ctrl-C
+    on a first start) leaves it behind and every later process waits on it forever. This lock
+    is an ``flock``, which the kernel releases when its holder dies; whoever holds it is the only
+    process in torch's build step, so a torch lock file found then is stale and removed.
+    """
+    with open(build_dir / ".kiln-x86.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cache_dir() -> Path:
@@ -84,13 +105,14 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=cflags,
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _build_lock(build_dir):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=cflags,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no headers: run the reference ops instead
         logger.error("kiln-x86: could not build its kernels, using Kiln's reference ops: %s", exc)
         module = None
