@@ -31,9 +31,10 @@ SRC = ROOT / "src" / "kiln"
 PLUGIN_MACHINERY = ("plugins", "patches", "platforms", "testing")
 
 LAYERS: list[list[str]] = [
-    # What everything may use: plain data, config, wire messages, the registry type.
+    # What everything may use: plain data, config, wire messages, the registry type, the
+    # interface checks.
     ["utils", "config", "sampling_params", "outputs", "forward_context", "messages",
-     "plugins.registry"],
+     "plugins.registry", "plugins.interfaces"],
     ["patches"],
     # The parts of a forward; hardware-independent; they do not pick a platform.
     ["model_executor", "sampling", "distributed"],
@@ -50,7 +51,7 @@ LAYERS: list[list[str]] = [
 ]  # fmt: skip
 """Kiln's layers, lowest first: a module may import its own layer and the layers below it."""
 
-UNITS_ON_THEIR_OWN = ("plugins.registry",)
+UNITS_ON_THEIR_OWN = ("plugins.registry", "plugins.interfaces")
 """Modules that are units of their own, apart from their package (listed in ``LAYERS``)."""
 
 
