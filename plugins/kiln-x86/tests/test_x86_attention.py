@@ -191,3 +191,16 @@ def test_backend_passes_the_interface_check() -> None:
     assert X86AttentionBackend.get_kv_cache_shape(
         7, 16, 3, 64
     ) == CPUAttentionBackend.get_kv_cache_shape(7, 16, 3, 64)
+
+
+def test_platform_names_it_except_for_batch_invariance_and_float16() -> None:
+    from kiln_x86.platform import X86Platform
+
+    from kiln.engine.arg_utils import EngineArgs
+
+    def backend(**kwargs) -> str:
+        return X86Platform.get_attn_backend_cls(EngineArgs(**kwargs).create_config())
+
+    assert backend() == backend(dtype="float32") == "kiln_x86.attention.X86AttentionBackend"
+    assert backend(dtype="float16").endswith("cpu.CPUAttentionBackend")
+    assert backend(batch_invariant=True).endswith("CPUBatchInvariantAttentionBackend")
