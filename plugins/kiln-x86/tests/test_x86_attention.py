@@ -204,3 +204,13 @@ def test_platform_names_it_except_for_batch_invariance_and_float16() -> None:
     assert backend() == backend(dtype="float32") == "kiln_x86.attention.X86AttentionBackend"
     assert backend(dtype="float16").endswith("cpu.CPUAttentionBackend")
     assert backend(batch_invariant=True).endswith("CPUBatchInvariantAttentionBackend")
+
+
+def test_without_the_kernel_it_runs_the_reference(monkeypatch) -> None:
+    from kiln_x86 import kernels
+
+    monkeypatch.setitem(kernels._STATE, "kiln_x86_attention", None)  # as when it cannot build
+    cache, common, qkv = make_step([(20, 1), (33, 17)], 9, 3)
+    ours = run_step(X86AttentionBackend, cache.clone(), common, qkv, 9, 3, 64)
+    ref = run_step(CPUAttentionBackend, cache.clone(), common, qkv, 9, 3, 64)
+    assert torch.equal(ours, ref)
