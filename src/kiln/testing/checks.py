@@ -1,12 +1,14 @@
 """Conformance checks that must run in a fresh process: ``python -m kiln.testing.checks NAME
-PLATFORM`` prints one JSON object on its last line.
+PLATFORM [ARG]`` prints one JSON object on its last line.
 
 - ``idempotence``: run the lifecycle, snapshot every registry, run every loaded general plugin's
   ``register()`` again, snapshot again; the snapshots must be equal and nothing may raise.
 - ``ops``: run every op implementation registered for the platform's device type on the op's
   examples and compare with ``forward_native``.
-- ``greedy``: greedy tokens of the default model (float32) for a few prompts, through ``LLM`` on
-  the platform; the kit compares them with the same run on the reference cpu platform.
+- ``greedy``: greedy tokens of the default model (float32) for prompts that share a prefix, through
+  ``LLM`` on the platform with a token budget of 16 (chunked prefill, prefix-cache hits), and the
+  teacher-forced log-probabilities of the reference platform's completions; the kit compares them
+  with the same run on the reference cpu platform (``kiln.testing.compare_greedy``).
 """
 
 from __future__ import annotations
@@ -182,25 +184,76 @@ def _clone(value: Any) -> Any:
     return value
 
 
-GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colors are"]
-GREEDY_TOKENS = 16
+GREEDY_PREFIX = (
+    "Kiln's conformance kit asks every platform the same questions, one at a time. Answer each "
+    "question in one short sentence, without repeating the question or adding notes."
+)
+GREEDY_PROMPTS = [
+    GREEDY_PREFIX + " What is the capital of France?",
+    GREEDY_PREFIX + " Name three colors.",
+    GREEDY_PREFIX + " Write a Python function that adds two numbers.",
+    "The capital of France is",
+]
+"""The first three share a prefix longer than two KV-cache blocks; the first runs alone, then the
+others together, so they hit the prefix cache on that prefix."""
+GREEDY_TOKENS = 12
+GREEDY_BUDGET = 16
+"""``max_num_batched_tokens`` of the greedy check: every prompt but the last is prefilled in
+chunks, and chunks share steps with other requests' decodes."""
 
 
-def check_greedy(platform: str) -> dict[str, Any]:
+def check_greedy(platform: str, forced_json: str | None = None) -> dict[str, Any]:
+    """Greedy tokens of the default model (float32) on ``platform`` under a small token budget
+    with prefix-cache hits, then teacher-forced log-probabilities of each prompt followed by the
+    completions in ``forced_json`` (a JSON list of token lists; default: its own tokens)."""
     from kiln import LLM, SamplingParams
 
-    llm = LLM(platform=platform, dtype="float32", kv_cache_memory=0.25, max_model_len=512)
+    llm = LLM(
+        platform=platform,
+        dtype="float32",
+        kv_cache_memory=0.25,
+        max_model_len=256,
+        max_num_batched_tokens=GREEDY_BUDGET,
+        enable_prefix_caching=True,
+    )
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    outputs = llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)
+    outputs = llm.generate(GREEDY_PROMPTS[:1], params, use_tqdm=False)
+    outputs += llm.generate(GREEDY_PROMPTS[1:], params, use_tqdm=False)
+    prompts = [list(o.prompt_token_ids) for o in outputs]
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    forced = json.loads(forced_json) if forced_json else tokens
     return {
         "platform": platform,
-        "tokens": [o.outputs[0].token_ids for o in outputs],
+        "prompt_lens": [len(p) for p in prompts],
+        "cached_tokens": [o.num_cached_tokens for o in outputs],
+        "tokens": tokens,
         "texts": [o.outputs[0].text for o in outputs],
+        "teacher_forced": _teacher_forced(llm, prompts, forced),
     }
+
+
+def _teacher_forced(llm: Any, prompts: list[list[int]], completions: list[list[int]]) -> list:
+    """Per prompt, per completion token: ``[top-1 token id, logprob of the forced token]``
+    given the prompt and the forced tokens before it (prompt logprobs of ``prompt + completion``).
+    """
+    from kiln import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    requests = [{"prompt_token_ids": p + c} for p, c in zip(prompts, completions, strict=True)]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    result = []
+    for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
+        rows = []
+        for index, token in enumerate(completion):
+            position = output.prompt_logprobs[len(prompt) + index]
+            top1 = next(t for t, lp in position.items() if lp.rank == 1)
+            rows.append([top1, position[token].logprob])
+        result.append(rows)
+    return result
 
 
 CHECKS = {"idempotence": check_idempotence, "ops": check_ops, "greedy": check_greedy}
 
 if __name__ == "__main__":
-    name, platform = sys.argv[1], sys.argv[2]
-    print(json.dumps(CHECKS[name](platform), default=str))
+    name, platform, *rest = sys.argv[1:]
+    print(json.dumps(CHECKS[name](platform, *rest), default=str))

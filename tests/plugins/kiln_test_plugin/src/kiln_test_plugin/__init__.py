@@ -16,6 +16,10 @@ Environment variables switch each behaviour on, so the package can stay installe
 - KILN_TEST_BAD_CLASS=unresolvable          ... a communicator path that does not resolve
 - KILN_TEST_BAD_CLASS=attention             ... an attention backend that does not subclass
                                             ``AttentionBackend``
+- KILN_TEST_BAD_CLASS=chunk-blind           ... an attention backend that ignores the cached
+                                            context of a prefill chunk (a prefix-cache hit too)
+- KILN_TEST_NON_IDEMPOTENT=raise|grow       the general plugin's register() raises when run
+                                            again, or registers one more model each run
 """
 
 from __future__ import annotations

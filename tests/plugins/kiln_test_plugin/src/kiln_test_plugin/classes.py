@@ -11,7 +11,13 @@ import torch
 from kiln.config import KilnConfig
 from kiln.core.sched.scheduler import Scheduler
 from kiln.distributed.communicator import TorchDistCommunicator
-from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
+from kiln.model_executor.layers.attention import CommonAttentionMetadata
+from kiln.model_executor.layers.attention.backends.cpu import (
+    CPUAttentionBackend,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+    CPUPrefill,
+)
 from kiln.worker.graph import EagerGraphWrapper
 from kiln.worker.model_runner import ModelRunner
 from kiln.worker.worker import Worker
@@ -99,6 +105,28 @@ class DuckTypedAttentionBackend:
     get_impl_cls = staticmethod(CPUAttentionBackend.get_impl_cls)
     get_metadata_builder_cls = staticmethod(CPUAttentionBackend.get_metadata_builder_cls)
     get_kv_cache_shape = staticmethod(CPUAttentionBackend.get_kv_cache_shape)
+
+
+class ChunkBlindMetadataBuilder(CPUAttentionMetadataBuilder):
+    """Right for a prompt computed in one step, wrong for a later prefill chunk or a prefix-cache
+    hit: such a chunk attends only to its own new tokens, not to the context already cached."""
+
+    def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
+        metadata = super().build(common)
+        metadata.prefills = [
+            CPUPrefill(p.token_start, p.token_end, 0, p.token_end - p.token_start, None, None)
+            for p in metadata.prefills
+        ]
+        return metadata
+
+
+class ChunkBlindAttentionBackend(CPUAttentionBackend):
+    """The CPU backend with ``ChunkBlindMetadataBuilder``: passes a greedy check whose prompts
+    fit one step and miss the prefix cache, fails one with a small token budget."""
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[CPUAttentionMetadataBuilder]:
+        return ChunkBlindMetadataBuilder
 
 
 class CountingGraphWrapper(EagerGraphWrapper):

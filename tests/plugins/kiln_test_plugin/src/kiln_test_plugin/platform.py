@@ -22,10 +22,12 @@ class TestPlatform(CpuPlatform):
             "signature": "kiln_test_plugin.classes.CommunicatorWrongSignature",
             "unresolvable": "kiln_test_plugin.classes.NoSuchCommunicator",
         }.get(bad or "", "kiln_test_plugin.classes.LoggingCommunicator")
-        if bad == "attention":
-            config = config.replace(
-                device__attention_backend="kiln_test_plugin.classes.DuckTypedAttentionBackend"
-            )
+        attention = {
+            "attention": "kiln_test_plugin.classes.DuckTypedAttentionBackend",
+            "chunk-blind": "kiln_test_plugin.classes.ChunkBlindAttentionBackend",
+        }.get(bad or "")
+        if attention:
+            config = config.replace(device__attention_backend=attention)
         config = config.replace(
             device__worker_cls="kiln_test_plugin.classes.TestWorker",
             device__model_runner_cls=(

@@ -91,6 +91,18 @@ def register_all(patch_kind: str | None) -> None:
         "kiln-test", "kiln.model_executor.loader.safetensors_loader.SafetensorsLoader"
     )
     PLUGIN_CONFIG_REGISTRY.declare("kiln_test", TestPluginOptions)
+    non_idempotent = os.environ.get("KILN_TEST_NON_IDEMPOTENT")
+    if non_idempotent == "raise":
+        # A new function object each run: the second registration is refused.
+        OP_REGISTRY.register_impl("kiln_test_scale", "kiln_test_fresh", device_type="cpu")(
+            _fresh_scale()
+        )
+    elif non_idempotent == "grow":
+        _RUNS.append(1)
+        MODEL_REGISTRY.register(
+            f"KilnTestRun{len(_RUNS)}ForCausalLM",
+            "kiln.model_executor.models.llama.LlamaForCausalLM",
+        )
     if patch_kind:
         target = PATCH_TARGET if patch_kind != "missing" else PATCH_TARGET + "_gone"
         PATCH_REGISTRY.register(
@@ -105,3 +117,13 @@ def register_all(patch_kind: str | None) -> None:
 
 def wrong_scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
     return x * (op.scale + 1e-3)
+
+
+_RUNS: list[int] = []
+
+
+def _fresh_scale() -> Any:
+    def scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
+        return x * op.scale
+
+    return scale
