@@ -94,13 +94,77 @@ def measure_row(w: np.ndarray, qtype: T, rows: int, repeat: int) -> list[float]:
     return cols
 
 
+def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
+    """Every linear of the real GGUF once (a decode step's matmuls, the LM head included), in
+    model order, so that the weights stream from memory as they do when decoding (a model's
+    worth of weights is larger than the caches), quantized against dense bf16."""
+    reader = gguf.GGUFReader(path)
+    packed, dense = [], []
+    for t in reader.tensors:
+        qtype = T(t.tensor_type)
+        if qtype not in quant.SUPPORTED_TYPES:
+            continue
+        k, n = (int(d) for d in t.shape)
+        raw = torch.from_numpy(np.asarray(t.data).copy())
+        p = quant.pack(raw, qtype, n, k)
+        packed.append(p)
+        dense.append(quant.dequantize(p, torch.bfloat16))
+    q_bytes = sum(p.nbytes for p in packed)
+    d_bytes = sum(w.numel() * 2 for w in dense)
+    print(
+        f"{len(packed)} weights: packed {q_bytes / 2**20:.0f} MiB, bf16 {d_bytes / 2**20:.0f} MiB"
+    )
+    columns = ["bf16 dense", "kiln-x86 `matmul`", "C++ kernel only", "dequantize + GEMM only"]
+    print("| rows | " + " | ".join(f"{c}, ms" for c in columns) + " |")
+    print("|---|---|---|---|---|")
+    threshold = quant.MAX_KERNEL_ROWS
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k).bfloat16() for k in {p.in_features for p in packed}}
+
+        def run_dense(xs=xs) -> None:
+            for w in dense:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        def run_quant(max_kernel_rows: int, xs=xs) -> None:
+            quant.MAX_KERNEL_ROWS = max_kernel_rows
+            try:
+                for p in packed:
+                    quant.matmul(xs[p.in_features], p)
+            finally:
+                quant.MAX_KERNEL_ROWS = threshold
+
+        runs = [
+            run_dense,
+            lambda: run_quant(threshold),
+            lambda rows=rows: run_quant(rows),
+            lambda: run_quant(0),
+        ]
+        best = [float("inf")] * len(runs)
+        for _ in range(repeat):  # interleaved, so that each column sees the same load
+            for i, fn in enumerate(runs):
+                start = time.thread_time()
+                fn()
+                best[i] = min(best[i], time.thread_time() - start)
+        print(f"| {rows} | " + " | ".join(f"{t * 1e3:.1f}" for t in best) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--rows", default="1,8,16,128")
+    parser.add_argument(
+        "--model", action="store_true", help="one pass over the default model's real weights"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:
+        from kiln.model_executor.loader.default_model import default_model_path
+
+        print(f"threads={args.threads} load={os.getloadavg()[0]:.1f}")
+        model_pass(default_model_path(), [int(r) for r in args.rows.split(",")], args.repeat)
+        print(f"load={os.getloadavg()[0]:.1f}")
+        return
     rng = np.random.default_rng(0)
     print(f"threads={args.threads} load={os.getloadavg()[0]:.1f}")
     print("| in -> out | format | rows | " + " | ".join(COLUMNS) + " |")

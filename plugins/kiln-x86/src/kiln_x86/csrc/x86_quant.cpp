@@ -303,8 +303,20 @@ void dequantize_kernel(const Packed& p, T* out) {
       const float* s = p.scales + n * groups;
       const float* m = kHasMins ? p.mins + n * groups : nullptr;
       const int shift = p.group == 32 ? 1 : 0;
+      T* orow = out + n * p.K;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        // 32 weights per conversion instruction (K is a multiple of 32), nearest even.
+        for (int64_t j = 0; j < p.K / 16; j += 2) {
+          const __m512bh w = _mm512_cvtne2ps_pbh(weights<kFourBit, kHasMins>(row, s, m, j + 1, shift).v,
+                                                 weights<kFourBit, kHasMins>(row, s, m, j, shift).v);
+          _mm512_storeu_si512(orow + j * 16, (__m512i)w);
+        }
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < p.K / 16; ++j) {
-        store_as(weights<kFourBit, kHasMins>(row, s, m, j, shift), out + n * p.K + j * 16);
+        store_as(weights<kFourBit, kHasMins>(row, s, m, j, shift), orow + j * 16);
       }
     }
   });
