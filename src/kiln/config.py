@@ -2,7 +2,8 @@
 
 Every field has a default and a docstring right under it. Invalid values raise ``ValueError`` that
 names the field, the value and what is allowed. Configs are immutable: a change is a new config
-made with ``KilnConfig.replace("section.field", value)``, which is how a platform's
+made with ``KilnConfig.replace(section__field=value)`` (``config.replace(device__worker_cls=
+"pkg.worker.MyWorker")``), which is how a platform's
 ``check_and_update_config`` hands back what it changed and how Kiln records the difference for
 ``kiln plugins``.
 

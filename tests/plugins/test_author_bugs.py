@@ -133,3 +133,19 @@ def test_kiln_serve_refuses_a_platform_in_one_line_without_a_traceback(env, need
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("kiln serve: ")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+
+
+START_LLM = """
+from kiln import LLM
+LLM(platform="kiln_test", dtype="float32", kv_cache_memory=0.05, max_model_len=64)
+"""
+
+
+def test_the_engine_checks_every_named_class_at_start_up():
+    # The communicator is not used on one device; a platform naming a broken one must still
+    # hear about it when the engine starts, not when tensor parallelism first calls it.
+    env = {"KILN_TEST_PLATFORM": "1", "KILN_TEST_BAD_CLASS": "missing"}
+    proc = run_python(["-c", START_LLM], env)
+    assert proc.returncode != 0
+    assert "InterfaceError: device.communicator_cls = kiln_test_plugin.classes." in proc.stderr
+    assert "lacks method 'barrier'" in proc.stderr

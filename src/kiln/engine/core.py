@@ -15,7 +15,7 @@ from kiln.config import KilnConfig
 from kiln.core.request import Request, RequestStatus
 from kiln.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kiln.executor import Executor
-from kiln.plugins.interfaces import resolve_class
+from kiln.plugins.interfaces import resolve_class, resolve_named_classes
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ class EngineCore:
 
     def __init__(self, config: KilnConfig) -> None:
         start = time.perf_counter()
+        # Every class the platform named, checked before any is used (some are used late).
+        resolve_named_classes(config)
         self.executor = Executor.get_class(config)(config)
         self.executor.initialize()
         max_model_len = self.executor.get_max_model_len()

@@ -1,7 +1,9 @@
 """Finding plugins: entry points in Kiln's two groups, and what became of each.
 
-``kiln.platform_plugins``: ``name = "pkg:register"``; ``register()`` returns the dotted path of a
-``Platform`` subclass when its hardware is present, else None, and has no side effects.
+``kiln.platform_plugins``: ``name = "pkg:detect"``; ``detect()`` returns the dotted path of a
+``Platform`` subclass when its hardware is present, else None, and has no side effects. ``name``
+must equal that class's ``Platform.name`` (Kiln refuses the platform otherwise): it is the name
+``--platform``, ``KILN_PLATFORM`` and ``--plugin-config`` use.
 
 ``kiln.general_plugins``: ``name = "pkg:register"``; ``register()`` adds models, loaders, ops,
 patches and config sections to Kiln's registries. It runs once in every process that builds an

@@ -16,9 +16,12 @@ the class, so ``kiln plugins`` and the conformance kit say "ok" only for what wi
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.utils import resolve_obj_by_qualname
+
+if TYPE_CHECKING:
+    from kiln.config import KilnConfig
 
 INTERFACES: dict[str, str] = {
     "worker_cls": "kiln.worker.worker_base.WorkerBase",
@@ -154,3 +157,22 @@ def resolve_class(field: str, qualname: str) -> type:
         return cls
     check_implements(cls, resolve_obj_by_qualname(INTERFACES[field]))
     return cls
+
+
+def resolve_named_classes(config: KilnConfig) -> dict[str, type]:
+    """Resolve and check every class ``config.device`` names (``INTERFACES``' fields), as the
+    engine core does before it builds anything, so that a class the core would only use later
+    (the communicator, the graph wrapper) fails at start-up.
+
+    Raises:
+        InterfaceError: a class that does not resolve or fails its check; the message names the
+            config field and the class.
+    """
+    classes = {}
+    for name in INTERFACES:
+        qualname = getattr(config.device, name)
+        try:
+            classes[name] = resolve_class(name, qualname)
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise InterfaceError(f"device.{name} = {qualname}: {exc}") from exc
+    return classes

@@ -28,7 +28,7 @@ from kiln.plugins.discovery import (
     find_entry_points,
     plugin_allowlist,
 )
-from kiln.plugins.interfaces import InterfaceError, check_implements, resolve_class
+from kiln.plugins.interfaces import InterfaceError, check_implements
 from kiln.plugins.registry import registering_as
 from kiln.utils import resolve_obj_by_qualname
 
@@ -60,7 +60,6 @@ class PluginManager:
     general_records: list[PluginRecord] = field(default_factory=list)
     choice: PlatformChoice | None = None
     config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
-    resolved_classes: dict[str, str] = field(default_factory=dict)
     patches: PatchRegistry = field(default_factory=lambda: PATCH_REGISTRY)
     phases: list[str] = field(default_factory=list)
     role: str | None = None
@@ -273,15 +272,6 @@ class PluginManager:
         if "configure" not in self.phases:
             self.phases.append("configure")
         return updated
-
-    def resolve_classes(self, config: KilnConfig, fields: tuple[str, ...] = CLASS_FIELDS) -> dict:
-        """Import the classes named in ``config.device`` and check their interfaces."""
-        classes = {}
-        for name in fields:
-            qualname = getattr(config.device, name)
-            classes[name] = resolve_class(name, qualname)
-            self.resolved_classes[name] = qualname
-        return classes
 
     def init_platform_process(self, config: KilnConfig) -> None:
         """Call the platform's ``init_process(role, config)`` once in this process.
