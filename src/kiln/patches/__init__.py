@@ -164,7 +164,6 @@ class PatchRegistry:
 
     def __init__(self) -> None:
         self.patches: dict[str, Patch] = {}
-        self._applied_scopes: set[tuple[str, int]] = set()
 
     def register(
         self,
@@ -210,9 +209,7 @@ class PatchRegistry:
 
         A refused patch is logged as an error and left unapplied; ``kiln plugins`` shows why.
         """
-        key = (scope, os.getpid())
         todo = [p for p in self.patches.values() if p.scope == scope and p.status == "pending"]
-        self._applied_scopes.add(key)
         for patch in todo:
             self._apply_one(patch)
         return todo

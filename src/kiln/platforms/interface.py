@@ -226,12 +226,6 @@ class Platform:
         return "kiln.worker.graph.EagerGraphWrapper"
 
 
-class UnspecifiedPlatform(Platform):
-    """Stands in when no platform activates; every device operation fails with a clear error."""
-
-    name = "unspecified"
-
-
 def api_major(version: str) -> int:
     """The MAJOR of ``"MAJOR.MINOR"``.
 

@@ -16,7 +16,7 @@ This module only finds and describes entry points; ``kiln.plugins.manager`` deci
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 
 PLATFORM_GROUP = "kiln.platform_plugins"
@@ -41,7 +41,6 @@ class PluginRecord:
     """The platform path a detector returned, why a plugin was filtered, or the error."""
     traceback: str = ""
     """The full traceback when a plugin or detector raised."""
-    registrations: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -303,12 +303,6 @@ def get_plugin_manager() -> PluginManager:
     return _MANAGER
 
 
-def reset_plugin_manager() -> None:
-    """Forget every plugin decision in this process (tests only)."""
-    global _MANAGER
-    _MANAGER = None
-
-
 def installed_version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
