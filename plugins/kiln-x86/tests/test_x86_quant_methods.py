@@ -1,0 +1,147 @@
+"""kiln-x86's quantized linear methods (``kiln_x86.linear_methods``) through Kiln's quant_config
+path, against Kiln's reference methods (``kiln.model_executor.layers.quantization``).
+
+- GGUF: the default model loaded with the platform's config keeps every weight in
+  ``kiln_x86.quant``'s layout, within 1.3x of the file's size, and its layers (fused linears,
+  quantized embedding, tied LM head) agree with the reference's in float32.
+- int8 / int4 on a small random Llama: the platform's torch kernels agree with the reference
+  methods' dequantized products on the same quantized weights.
+- Perplexity (slow, two fresh processes): the default model as x86 runs it by default (kept
+  quantized, bfloat16) is within 1% of the dequantized float32 model on the reference platform.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kiln_x86 import quant
+from kiln_x86.linear_methods import X86Int4LinearMethod, X86Int8LinearMethod
+from kiln_x86.platform import X86Platform
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kiln.model_executor.layers.linear import LinearBase
+from kiln.model_executor.layers.quantization import (
+    GGUFQuantConfig,
+    Int4QuantConfig,
+    Int8QuantConfig,
+    model_weight_bytes,
+)
+from kiln.model_executor.model_loader import load_model
+
+
+@pytest.fixture(scope="module")
+def reference_and_x86(gguf_path):
+    reference, _ = load_model(gguf_path, torch.float32, quant_config=GGUFQuantConfig())
+    x86_config = X86Platform.get_quant_config("gguf", None)
+    x86, _ = load_model(gguf_path, torch.float32, quant_config=x86_config)
+    return reference, x86
+
+
+def test_gguf_weights_stay_in_the_kernels_layout(reference_and_x86, gguf_path) -> None:
+    _, x86 = reference_and_x86
+    assert model_weight_bytes(x86) <= 1.3 * os.path.getsize(gguf_path)
+    packed = [
+        module.gguf_parts
+        for module in x86.modules()
+        if getattr(module, "quant_method", None) and not getattr(module, "_tied_to", ())
+    ]
+    assert len(packed) == 30 * 4 + 1  # qkv, o, gate_up, down per layer; the embedding
+    assert all(len(parts) == 1 and isinstance(parts[0][1], quant.PackedWeight) for parts in packed)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])  # the kernel's rows, and above them
+def test_gguf_layers_agree_with_the_reference(reference_and_x86, num_tokens) -> None:
+    reference, x86 = reference_and_x86
+    gen = torch.Generator().manual_seed(num_tokens)
+    layer = 7
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        want_layer = reference.get_submodule(f"model.layers.{layer}.{name}")
+        got_layer = x86.get_submodule(f"model.layers.{layer}.{name}")
+        x = torch.randn(num_tokens, want_layer.input_size, generator=gen)
+        torch.testing.assert_close(got_layer(x), want_layer(x), rtol=1e-4, atol=1e-4)
+    ids = torch.randint(0, 49152, (num_tokens,), generator=gen)
+    torch.testing.assert_close(
+        x86.model.embed_tokens(ids), reference.model.embed_tokens(ids), rtol=0, atol=0
+    )
+    hidden = torch.randn(num_tokens, 576, generator=gen)
+    torch.testing.assert_close(
+        x86.compute_logits(hidden), reference.compute_logits(hidden), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("reference_config", "method_cls"),
+    [(Int8QuantConfig(), X86Int8LinearMethod), (Int4QuantConfig(), X86Int4LinearMethod)],
+    ids=["int8", "int4"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int_methods_agree_with_the_reference(
+    tiny_llama, reference_config, method_cls, dtype
+) -> None:
+    reference, _ = load_model(tiny_llama, dtype, quant_config=reference_config)
+    x86_config = X86Platform.get_quant_config(reference_config.name, None)
+    x86, _ = load_model(tiny_llama, dtype, quant_config=x86_config)
+    gen = torch.Generator().manual_seed(0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    layers = [(n, m) for n, m in x86.named_modules() if isinstance(m, LinearBase)]
+    assert layers and all(type(m.quant_method) is method_cls for _, m in layers)
+    for name, layer in layers:
+        for num_tokens in (1, 7):
+            x = torch.randn(num_tokens, layer.input_size, generator=gen).to(dtype)
+            want = reference.get_submodule(name)(x).float()
+            torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
+
+
+_PERPLEXITY = """
+import json, sys
+from kiln import LLM
+from kiln.benchmarks.perplexity import perplexity, read_text
+llm = LLM(kv_cache_memory=0.25, **json.loads(sys.argv[1]))
+from kiln.platforms import current_platform
+ppl, count = perplexity(llm, llm.get_tokenizer().encode(read_text()))
+print(json.dumps({"ppl": ppl, "count": count, "platform": current_platform.name}))
+"""
+
+
+def _perplexity(config: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _PERPLEXITY, json.dumps(config)],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=1500,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.plugin
+def test_perplexity_within_one_percent_of_dequantized_float32() -> None:
+    reference = _perplexity({"platform": "cpu", "dtype": "float32", "quantization": "none"})
+    x86 = _perplexity({})
+    assert (reference["platform"], x86["platform"]) == ("cpu", "x86")
+    assert reference["count"] == x86["count"] >= 2000
+    assert abs(x86["ppl"] / reference["ppl"] - 1) < 0.01, (x86, reference)
