@@ -120,6 +120,7 @@ def test_contract_tables_name_every_member() -> None:
     from kiln.model_executor.layers import attention
     from kiln.model_executor.loader.base import ModelLoader
     from kiln.platforms.interface import Platform
+    from kiln.testing import conformance
     from kiln.worker.graph import GraphWrapper
     from kiln.worker.worker_base import ModelRunnerBase, WorkerBase
 
@@ -146,6 +147,7 @@ def test_contract_tables_name_every_member() -> None:
     for module in pkgutil.walk_packages(layers.__path__, layers.__name__ + "."):
         importlib.import_module(module.name)  # every layer module: every op Kiln defines
     missing += [f"op {name}" for name in OP_REGISTRY.ops.names() if f"| `{name}` |" not in text]
+    missing += [f"kit {name}" for name in conformance.__all__ if f"`{name}`" not in text]
     assert not missing, f"docs/plugins.md does not document {missing}"
 
 
