@@ -294,6 +294,34 @@ void attend_token(const Problem& p, const WorkItem& it, const T* query, const T*
     const int64_t j1 = std::min(range.hi, block_start + bs) - block_start;
     const T* kb = key_cache + block * p.kv_stride_block + it.kv_head * p.kv_stride_head;
     const T* vb = value_cache + block * p.kv_stride_block + it.kv_head * p.kv_stride_head;
+    // Blocks lie anywhere in the cache, where hardware prefetchers cannot follow: ask for the
+    // next block's rows of this kv head while this one is computed.
+    if (block_start + bs < range.hi) {
+      const int64_t next = table[block_start / bs + 1];
+      const char* nk = reinterpret_cast<const char*>(key_cache + next * p.kv_stride_block +
+                                                     it.kv_head * p.kv_stride_head);
+      const char* nv = reinterpret_cast<const char*>(value_cache + next * p.kv_stride_block +
+                                                     it.kv_head * p.kv_stride_head);
+      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+      const int64_t slot_bytes = p.kv_stride_slot * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0; j < bs; ++j) {
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(nk + j * slot_bytes + b);
+          __builtin_prefetch(nv + j * slot_bytes + b);
+        }
+      }
+    }
+    // The block's rows widened to float32 once, for all the group's heads.
+    float* kf = sc.k;  // [j1 - j0, d]
+    float* vf = sc.v;
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t c = 0; c < lanes; ++c) {
+        const vf16 kv = load16(kb + j * p.kv_stride_slot + c * 16);
+        const vf16 vv = load16(vb + j * p.kv_stride_slot + c * 16);
+        std::memcpy(kf + (j - j0) * d + c * 16, &kv, sizeof(kv));
+        std::memcpy(vf + (j - j0) * d + c * 16, &vv, sizeof(vv));
+      }
+    }
     // Scores 16 keys at a time: a vector of partial products per key, then one add tree.
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * d;
@@ -301,7 +329,7 @@ void attend_token(const Problem& p, const WorkItem& it, const T* query, const T*
         const int64_t nj = std::min<int64_t>(16, j1 - jb);
         vf16 acc[16] = {};
         for (int64_t j = 0; j < nj; ++j) {
-          const T* kr = kb + (jb + j) * p.kv_stride_slot;
+          const float* kr = kf + (jb + j - j0) * d;
           for (int64_t c = 0; c < lanes; ++c) acc[j] += load16(qg + c * 16) * load16(kr + c * 16);
         }
         const vf16 sums = sum_lanes16(acc);
@@ -312,7 +340,7 @@ void attend_token(const Problem& p, const WorkItem& it, const T* query, const T*
       softmax_step(s + g * bs, j1 - j0, &sc.m[g], &sc.l[g], o + g * d, d);
     }
     for (int64_t j = j0; j < j1; ++j) {
-      const T* vr = vb + j * p.kv_stride_slot;
+      const float* vr = vf + (j - j0) * d;
       for (int64_t c = 0; c < lanes; ++c) {
         const vf16 vv = load16(vr + c * 16);
         for (int64_t g = 0; g < group; ++g) {
