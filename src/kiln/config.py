@@ -222,17 +222,6 @@ class DeviceConfig:
         )
 
 
-CLASS_FIELDS = (
-    "worker_cls",
-    "model_runner_cls",
-    "scheduler_cls",
-    "attention_backend",
-    "communicator_cls",
-    "graph_wrapper_cls",
-)
-"""The ``DeviceConfig`` fields a platform fills with dotted paths."""
-
-
 @dataclass(frozen=True)
 class PluginConfig:
     """Settings for plugins: raw sections by plugin name, validated against what each declares."""

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kiln.config import AUTO, CLASS_FIELDS
+from kiln.config import AUTO
+from kiln.plugins.interfaces import CLASS_FIELDS
 
 if TYPE_CHECKING:
     from kiln.config import KilnConfig
@@ -170,19 +171,13 @@ class Platform:
             ValueError: a setting this platform cannot honour (name the field and the allowed
                 values).
         """
-        factories = {
-            "worker_cls": cls.get_worker_cls,
-            "model_runner_cls": cls.get_model_runner_cls,
-            "scheduler_cls": cls.get_scheduler_cls,
-            "attention_backend": lambda: cls.get_attn_backend_cls(config),
-            "communicator_cls": cls.get_communicator_cls,
-            "graph_wrapper_cls": cls.get_graph_wrapper_cls,
-        }
-        changes: dict[str, object] = {
-            f"device__{name}": factories[name]()
-            for name in CLASS_FIELDS
-            if getattr(config.device, name) == AUTO
-        }
+        changes: dict[str, object] = {}
+        for name, spec in CLASS_FIELDS.items():
+            if getattr(config.device, name) == AUTO:
+                factory = getattr(cls, spec.factory)
+                # get_attn_backend_cls alone depends on the config (batch-invariant mode...).
+                args = (config,) if spec.factory == "get_attn_backend_cls" else ()
+                changes[f"device__{name}"] = factory(*args)
         if config.model.dtype == "auto":
             changes["model__dtype"] = cls.supported_dtypes[0]
         elif config.model.dtype not in cls.supported_dtypes:

@@ -16,6 +16,7 @@ the class, so ``kiln plugins`` and the conformance kit say "ok" only for what wi
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kiln.utils import resolve_obj_by_qualname
@@ -23,21 +24,41 @@ from kiln.utils import resolve_obj_by_qualname
 if TYPE_CHECKING:
     from kiln.config import KilnConfig
 
-INTERFACES: dict[str, str] = {
-    "worker_cls": "kiln.worker.worker_base.WorkerBase",
-    "model_runner_cls": "kiln.worker.worker_base.ModelRunnerBase",
-    "scheduler_cls": "kiln.core.sched.interface.SchedulerInterface",
-    "attention_backend": "kiln.model_executor.layers.attention.backend.AttentionBackend",
-    "communicator_cls": "kiln.distributed.communicator.Communicator",
-    "graph_wrapper_cls": "kiln.worker.graph.GraphWrapper",
-}
-"""Config field -> the interface its class must implement."""
 
-VALIDATORS: dict[str, str] = {
-    "attention_backend": "kiln.model_executor.layers.attention.backend.validate_attention_backend",
+@dataclass(frozen=True)
+class NamedClass:
+    """What Kiln knows about one class a platform names in ``config.device``."""
+
+    interface: str
+    """Dotted path of the interface the class must implement."""
+    factory: str
+    """The ``Platform`` classmethod that returns the default dotted path for the field."""
+    validator: str | None = None
+    """Dotted path of the core's own check, used instead of ``check_implements`` (raises
+    ``TypeError`` naming what is wrong); None: ``check_implements`` against ``interface``."""
+
+
+CLASS_FIELDS: dict[str, NamedClass] = {
+    "worker_cls": NamedClass("kiln.worker.worker_base.WorkerBase", "get_worker_cls"),
+    "model_runner_cls": NamedClass(
+        "kiln.worker.worker_base.ModelRunnerBase", "get_model_runner_cls"
+    ),
+    "scheduler_cls": NamedClass(
+        "kiln.core.sched.interface.SchedulerInterface", "get_scheduler_cls"
+    ),
+    "attention_backend": NamedClass(
+        "kiln.model_executor.layers.attention.backend.AttentionBackend",
+        "get_attn_backend_cls",
+        validator="kiln.model_executor.layers.attention.backend.validate_attention_backend",
+    ),
+    "communicator_cls": NamedClass(
+        "kiln.distributed.communicator.Communicator", "get_communicator_cls"
+    ),
+    "graph_wrapper_cls": NamedClass("kiln.worker.graph.GraphWrapper", "get_graph_wrapper_cls"),
 }
-"""Config fields whose class the core checks with its own validator instead of
-``check_implements``; the validator raises ``TypeError`` naming what is wrong."""
+"""The ``DeviceConfig`` fields a platform fills with dotted paths, in the order the report shows
+them: the one table of them (the platform's default factories, the config's check that none is
+left ``"auto"``, the interface checks and the report all read it)."""
 
 
 class InterfaceError(TypeError):
@@ -149,18 +170,19 @@ def resolve_class(field: str, qualname: str) -> type:
         InterfaceError: the class does not implement the field's interface.
     """
     cls = resolve_obj_by_qualname(qualname)
-    if field in VALIDATORS:
+    spec = CLASS_FIELDS[field]
+    if spec.validator is not None:
         try:
-            resolve_obj_by_qualname(VALIDATORS[field])(cls)
+            resolve_obj_by_qualname(spec.validator)(cls)
         except TypeError as exc:
             raise InterfaceError(str(exc)) from None
         return cls
-    check_implements(cls, resolve_obj_by_qualname(INTERFACES[field]))
+    check_implements(cls, resolve_obj_by_qualname(spec.interface))
     return cls
 
 
 def resolve_named_classes(config: KilnConfig) -> dict[str, type]:
-    """Resolve and check every class ``config.device`` names (``INTERFACES``' fields), as the
+    """Resolve and check every class ``config.device`` names (``CLASS_FIELDS``), as the
     engine core does before it builds anything, so that a class the core would only use later
     (the communicator, the graph wrapper) fails at start-up.
 
@@ -169,7 +191,7 @@ def resolve_named_classes(config: KilnConfig) -> dict[str, type]:
             config field and the class.
     """
     classes = {}
-    for name in INTERFACES:
+    for name in CLASS_FIELDS:
         qualname = getattr(config.device, name)
         try:
             classes[name] = resolve_class(name, qualname)

@@ -17,7 +17,7 @@ from kiln.model_executor.loader import LOADER_REGISTRY
 from kiln.model_executor.registry import MODEL_REGISTRY
 from kiln.platforms.interface import PLATFORM_API_VERSION
 from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
-from kiln.plugins.interfaces import INTERFACES, resolve_class
+from kiln.plugins.interfaces import CLASS_FIELDS, resolve_class
 from kiln.plugins.manager import PluginManager
 from kiln.plugins.registry import describe
 
@@ -66,7 +66,7 @@ def build_report(
         }
     classes = []
     if config is not None:
-        for field in INTERFACES:
+        for field in CLASS_FIELDS:
             qualname = getattr(config.device, field)
             status = "unchecked"
             if check_classes:

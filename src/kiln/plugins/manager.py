@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kiln.config import AUTO, CLASS_FIELDS, KilnConfig
+from kiln.config import AUTO, KilnConfig
 from kiln.model_executor.layers import import_builtin_ops
 from kiln.patches import PATCH_REGISTRY, PatchRegistry
 from kiln.platforms.interface import PLATFORM_API_VERSION, Platform, api_major
@@ -28,7 +28,7 @@ from kiln.plugins.discovery import (
     find_entry_points,
     plugin_allowlist,
 )
-from kiln.plugins.interfaces import InterfaceError, check_implements
+from kiln.plugins.interfaces import CLASS_FIELDS, InterfaceError, check_implements
 from kiln.plugins.registry import registering_as
 from kiln.utils import resolve_obj_by_qualname
 
