@@ -145,3 +145,24 @@ def test_perplexity_within_one_percent_of_dequantized_float32() -> None:
     assert (reference["platform"], x86["platform"]) == ("cpu", "x86")
     assert reference["count"] == x86["count"] >= 2000
     assert abs(x86["ppl"] / reference["ppl"] - 1) < 0.01, (x86, reference)
+
+
+def test_dense_weights_where_the_kernels_do_not_serve() -> None:
+    from kiln.config import DeviceConfig, KilnConfig, ModelConfig
+
+    def resolved(**model) -> str | None:
+        buckets = model.pop("buckets", None)
+        config = KilnConfig(
+            model=ModelConfig(**model), device=DeviceConfig(graph_capture_sizes=buckets)
+        )
+        return X86Platform.check_and_update_config(config).model.quantization
+
+    assert resolved() is None  # auto: the loader keeps a quantized GGUF quantized
+    assert resolved(quantization="int4") == "int4"
+    assert resolved(batch_invariant=True, dtype="bfloat16") == "none"
+    assert resolved(buckets=(1, 2)) == "none"
+    assert resolved(quantization="int8", buckets=(1, 2)) == "int8"
+    with pytest.raises(ValueError, match=r"model.quantization='gguf' is invalid with model.batch"):
+        resolved(quantization="gguf", batch_invariant=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"'gguf' is invalid with device.graph_capture_sizes"):
+        resolved(quantization="gguf", buckets=(1,))

@@ -44,6 +44,34 @@ logger = logging.getLogger(__name__)
 CPU_SECTION = "cpu"
 
 
+def _dense_where_needed(config: KilnConfig) -> KilnConfig:
+    """``model.quantization`` auto means dense weights where the quantized kernels do not serve:
+    batch-invariant mode (their results depend on how many rows a call has) and decode buckets
+    (``kiln_x86.quant`` is not traceable by ``torch.compile`` yet); asking for a method there is
+    an error.
+
+    Raises:
+        ValueError: gguf, int8 or int4 with ``model.batch_invariant``, or gguf with buckets.
+    """
+    quantization = config.model.quantization
+    conflicts = []
+    if config.model.batch_invariant:
+        conflicts.append(("model.batch_invariant=True", ("gguf", "int8", "int4")))
+    if config.device.graph_capture_sizes:
+        conflicts.append(
+            (f"device.graph_capture_sizes={config.device.graph_capture_sizes}", ("gguf",))
+        )
+    for setting, methods in conflicts:
+        if quantization in methods:
+            raise ValueError(
+                f"model.quantization={quantization!r} is invalid with {setting} on platform "
+                f"'x86'; allowed: 'auto' or 'none' (dense weights)"
+            )
+    if conflicts and quantization in (None, "auto"):
+        return config.replace(model__quantization="none")
+    return config
+
+
 class X86Platform(CpuPlatform):
     name = "x86"
     device_type = "cpu"
@@ -77,7 +105,7 @@ class X86Platform(CpuPlatform):
         # minutes on a first start (kiln_x86.graph), which every engine start would pay.
         if config.device.graph_capture_sizes is None:
             config = config.replace(device__graph_capture_sizes=())
-        return super().check_and_update_config(config)
+        return super().check_and_update_config(_dense_where_needed(config))
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
