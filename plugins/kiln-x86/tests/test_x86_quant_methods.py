@@ -166,3 +166,41 @@ def test_dense_weights_where_the_kernels_do_not_serve() -> None:
         resolved(quantization="gguf", batch_invariant=True, dtype="bfloat16")
     with pytest.raises(ValueError, match=r"'gguf' is invalid with device.graph_capture_sizes"):
         resolved(quantization="gguf", buckets=(1,))
+
+
+_INT_LLM = """
+import json, sys
+from kiln import LLM, SamplingParams
+folder, method, tokenizer = sys.argv[1], sys.argv[2], sys.argv[3]
+params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+prompt = {"prompt_token_ids": [(7 * i) % 256 for i in range(1, 40)]}
+result = {}
+for quantization in ("none", method):
+    kwargs = dict(tokenizer=tokenizer, dtype="float32", kv_cache_memory=0.05)
+    llm = LLM(folder, quantization=quantization, **kwargs)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    result[quantization] = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+from kiln.platforms import current_platform
+result["platform"] = current_platform.name
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.plugin
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_llm_quantization_flag_on_a_float_model(tiny_llama, gguf_path, method) -> None:
+    """``LLM(quantization=...)`` in a fresh process where x86 is selected: the prompt's logprobs
+    move by no more than the method's rounding allows, and do move."""
+    out = subprocess.run(
+        [sys.executable, "-c", _INT_LLM, tiny_llama, method, gguf_path],  # its tokenizer
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=900,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["platform"] == "x86"
+    dense, quantized = torch.tensor(result["none"]), torch.tensor(result[method])
+    error = (quantized - dense).abs().max().item()
+    assert 0 < error < (0.05 if method == "int8" else 0.5), error
