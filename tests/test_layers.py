@@ -24,9 +24,6 @@ def _measure():
 measure = _measure()
 
 KNOWN_UPWARD = {
-    # TODO(#10): wire types live in kiln.engine.
-    ("core", "engine"),
-    ("worker", "engine"),
     # TODO(#10): the platform is picked from inside a forward / a layer's constructor.
     ("model_executor", "platforms"),
     # TODO(#10): platforms reach the plugin manager (lazy imports in platforms/).

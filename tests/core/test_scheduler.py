@@ -17,7 +17,7 @@ from kiln.core.kv_cache import NULL_BLOCK_ID
 from kiln.core.request import Request, RequestStatus
 from kiln.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from kiln.core.sched.scheduler import Scheduler
-from kiln.engine import EngineCoreOutput, FinishReason, LogprobsLists
+from kiln.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from kiln.sampling_params import SamplingParams
 
 EOS = 2
@@ -77,8 +77,8 @@ class FakeRunner:
         self.tokens: dict[str, list[int]] = {}
         self.block_ids: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
-        self.logprobs: LogprobsLists | None = None
-        self.prompt_logprobs: dict[str, LogprobsLists | None] = {}
+        self.logprobs: dict[str, LogprobsLists] = {}
+        self.prompt_logprobs: dict[str, LogprobsLists] = {}
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids:
@@ -498,21 +498,20 @@ def test_priority_orders_admission_and_preemption():
 # -- outputs and stats -----------------------------------------------------------------------------
 
 
-def test_logprobs_rows_and_prompt_logprobs_sent_once_after_chunks():
+def test_the_runners_logprobs_are_routed_and_prompt_logprobs_only_with_the_first_token():
     scheduler = make_scheduler(max_num_batched_tokens=6)
     runner = FakeRunner()
-    scheduler.add_request(make_request("r", 9, max_tokens=2, logprobs=1, prompt_logprobs=1))
-    runner.logprobs = LogprobsLists([[7, 8]], [[-0.5, -1.0]], [1])
-    runner.prompt_logprobs = {"r": LogprobsLists([[1, 2]] * 5, [[-1.0, -2.0]] * 5, [1] * 5)}
+    scheduler.add_request(make_request("r", 9, max_tokens=3, logprobs=1, prompt_logprobs=1))
     _, outputs = step(scheduler, runner)  # First chunk: 6 tokens, no output.
     assert outputs == []
-    runner.prompt_logprobs = {"r": LogprobsLists([[3, 4]] * 3, [[-3.0, -4.0]] * 3, [2] * 3)}
-    _, (out,) = step(scheduler, runner)
-    assert out.new_prompt_logprobs.sampled_token_ranks == [1] * 5 + [2] * 3
-    assert out.new_logprobs == LogprobsLists([[7, 8]], [[-0.5, -1.0]], [1])
-    runner.prompt_logprobs = {}
-    _, (out,) = step(scheduler, runner)
-    assert out.new_prompt_logprobs is None and out.new_logprobs is not None and out.finished
+    row = LogprobsLists([[7, 8]], [[-0.5, -1.0]], [1])
+    prompt = LogprobsLists([[1, 2]] * 8, [[-1.0, -2.0]] * 8, [1] * 8)
+    # The fake runner sends them every step, as a runner recomputing a preempted prefill would.
+    runner.logprobs, runner.prompt_logprobs = {"r": row}, {"r": prompt}
+    outputs = {o.request_id: o for o in step(scheduler, runner)[1]}
+    assert outputs["r"].new_prompt_logprobs is prompt and outputs["r"].new_logprobs is row
+    outputs = {o.request_id: o for o in step(scheduler, runner)[1]}
+    assert outputs["r"].new_prompt_logprobs is None and outputs["r"].new_logprobs is row
 
 
 def test_stats():

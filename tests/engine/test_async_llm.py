@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
-from kiln.engine import EngineDeadError
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
+from kiln.messages import EngineDeadError
 from kiln.plugins import init_process
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 

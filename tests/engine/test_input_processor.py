@@ -6,6 +6,7 @@ import pytest
 
 from kiln.engine.input_processor import (
     InputProcessor,
+    PromptError,
     child_request_id,
     fan_out,
     make_child_params,
@@ -64,10 +65,10 @@ def test_token_id_prompts_are_used_exactly(tokenizer):
         ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
         (
             [5, 49152],
-            r"prompt_token_ids must be token ids in \[0, 49152\), got 49152 at position 1",
+            r"token id 49152 at position 1 of prompt is out of vocabulary \(vocab_size=49152\)",
         ),
-        ([-1], "prompt_token_ids"),
-        ([1.5], "prompt_token_ids"),
+        ([-1], "token id -1 at position 0 of prompt must be greater than or equal to 0"),
+        ([1.5], "token id 1.5 at position 0 of prompt must be an integer"),
         ({"text": "hi"}, "'prompt' or a 'prompt_token_ids' key"),
         (42, "prompt must be a string"),
     ],
@@ -77,22 +78,36 @@ def test_bad_prompts_are_rejected(processor, prompt, field):
         processor.process("r", prompt, SamplingParams())
 
 
-def test_context_length_errors_use_openai_wording(processor):
+def test_context_length_errors_use_vllm_wording_and_name_the_field(processor):
     prompt = list(range(10, 30))  # 20 tokens
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(PromptError) as error:
         processor.process("r", prompt, SamplingParams(max_tokens=13))
-    assert str(error.value).startswith(
-        "This model's maximum context length is 32 tokens. However, you requested 33 tokens "
-        "(20 in the messages, 13 in the completion)."
+    assert str(error.value) == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 13. This model's maximum context "
+        "length is 32 tokens and your request has 20 input tokens (13 > 32 - 20)."
     )
-    assert "max_tokens" in str(error.value)
+    assert error.value.param == "max_tokens"
     request = processor.process("r", prompt, SamplingParams(max_tokens=12))
     assert request.sampling_params.max_tokens == 12
     # A prompt longer than the context, and one that leaves no room for a token.
-    with pytest.raises(ValueError, match="you requested 41 tokens \\(40 in the messages"):
-        processor.process("r", list(range(10, 50)), SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="33 tokens \\(32 in the messages, 1 in the completion"):
-        processor.process("r", list(range(10, 42)), SamplingParams(max_tokens=None))
+    for num_tokens, max_tokens in ((40, 1), (32, None)):
+        with pytest.raises(PromptError) as error:
+            processor.process(
+                "r", list(range(10, 10 + num_tokens)), SamplingParams(max_tokens=max_tokens)
+            )
+        assert str(error.value) == (
+            f"This model's maximum context length is 32 tokens. However, your request has "
+            f"{num_tokens} input tokens. Please reduce the length of the input messages."
+        )
+        assert error.value.param == "prompt"
+
+
+def test_prompt_name_names_the_prompt_in_token_id_errors(processor):
+    with pytest.raises(PromptError, match="at position 0 of prompt 3 must be greater") as error:
+        processor.process("r", [-4], SamplingParams(), prompt_name="prompt 3")
+    assert error.value.param == "prompt"
+    with pytest.raises(PromptError, match="token id 7 at position 0 of tokens"):
+        InputProcessor(None, 32, 5, None, vocab_size=7).check_token_ids([7], "tokens")
 
 
 def test_max_tokens_none_fills_the_context_without_mutating_the_callers_params(processor):

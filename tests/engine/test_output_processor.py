@@ -3,9 +3,9 @@ per step as if sampled."""
 
 import pytest
 
-from kiln.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from kiln.engine.input_processor import fan_out
 from kiln.engine.output_processor import OutputProcessor, ParentRequest, make_position_logprobs
+from kiln.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.outputs import Logprob
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -294,3 +294,34 @@ def test_iteration_stats(tokenizer):
     assert finished.request_id == "a" and finished.finish_reason == FinishReason.LENGTH
     assert finished.e2e_latency == 1.25 and finished.num_generation_tokens == 3
     assert finished.time_to_first_token == 1.0 and finished.mean_inter_token_latency == 0.125
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY])
+def test_abort_output_ends_each_unfinished_completion_with_abort(tokenizer, kind):
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request("r", output_kind=kind), "prompt")
+    ids = tokenizer.encode(" so far")
+    sent = outputs_of(run(processor, "r", ids, finish_reason=None))
+    aborted = processor.make_abort_output("r")
+    assert (aborted.request_id, aborted.prompt, aborted.finished) == ("r", "prompt", True)
+    assert aborted.prompt_token_ids == PROMPT_IDS
+    [completion] = aborted.outputs
+    assert completion.finish_reason == "abort"
+    # DELTA: nothing new; CUMULATIVE: as last sent; FINAL_ONLY sent nothing.
+    expected = (" so far", ids) if kind == CUMULATIVE else ("", [])
+    assert (completion.text, completion.token_ids) == expected
+    assert len(sent) == (0 if kind == FINAL_ONLY else len(ids))
+    processor.abort_requests(["r"])
+    assert processor.make_abort_output("r") is None
+
+
+def test_abort_output_of_a_parent_lists_its_unfinished_children(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    make_children(processor, 3, CUMULATIVE)
+    processor.process_outputs(step_outputs("1_p", tokenizer.encode(" done")))
+    processor.process_outputs(step_outputs("2_p", tokenizer.encode(" half"), finish_reason=None))
+    aborted = processor.make_abort_output("p")
+    assert [(c.index, c.text, c.finish_reason) for c in aborted.outputs] == [
+        (0, "", "abort"),
+        (2, " half", "abort"),
+    ]

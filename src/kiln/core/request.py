@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kiln.engine import EngineCoreRequest, FinishReason
+from kiln.messages import EngineCoreRequest, FinishReason
 from kiln.sampling_params import SamplingParams
 
 
@@ -85,10 +85,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -20,29 +20,22 @@ last report that will not fit the free batch slots (``max_num_seqs`` less the ru
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineCoreRequest, EngineDeadError, FinishReason
 from kiln.engine.core_client import AsyncMPClient
 from kiln.engine.frontend import Frontend
-from kiln.engine.input_processor import PromptType, prompt_text
+from kiln.engine.input_processor import PromptType
 from kiln.engine.output_processor import IterationStats
 from kiln.engine.stats import StatsRecorder
-from kiln.outputs import CompletionOutput, RequestOutput
-from kiln.sampling_params import RequestOutputKind, SamplingParams
+from kiln.messages import EngineCoreRequest, EngineDeadError, FinishReason
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class _Aborted:
-    """Put in a request's queue by ``abort()``: its ``generate()`` ends with an "abort" output."""
-
-
-_ABORTED = _Aborted()
 
 OUTPUT_SLICE = 64
 """Requests handed their outputs between two yields to the event loop."""
@@ -67,7 +60,7 @@ class AsyncLLM:
         self.frontend = frontend
         self.model_name = frontend.model_name
         self.stats = StatsRecorder(10.0 if log_stats else 0.0)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | _Aborted]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._num_core_requests: dict[str, int] = {}
         """Engine-core requests (``n`` each) of every admitted request."""
         self._dead = asyncio.Event()
@@ -118,14 +111,15 @@ class AsyncLLM:
 
     def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Admit the request now; the returned iterator sends it to the engine core and yields
         its outputs until it finishes. Iterate it, or drop an admitted request with
-        ``release(request_id)``.
+        ``release(request_id)``. ``prompt`` may be the ``EngineCoreRequest`` that
+        ``frontend.input_processor.process`` made of it (then it is not processed again).
 
         Raises (here, not when iterating):
             ValueError: invalid prompt or params, or ``request_id`` already running.
@@ -139,10 +133,10 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
         requests = self.frontend.make_requests(request_id, prompt, sampling_params, priority)
-        queue: asyncio.Queue[RequestOutput | BaseException | _Aborted] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._num_core_requests[request_id] = len(requests)
-        return self._run(prompt, sampling_params, request_id, requests, queue)
+        return self._run(request_id, requests, queue)
 
     def release(self, request_id: str) -> None:
         """Drop an admitted request whose iterator was never iterated."""
@@ -152,16 +146,11 @@ class AsyncLLM:
 
     async def _run(
         self,
-        prompt: PromptType,
-        sampling_params: SamplingParams,
         request_id: str,
         requests: list[EngineCoreRequest],
-        queue: asyncio.Queue[RequestOutput | BaseException | _Aborted],
+        queue: asyncio.Queue[RequestOutput | BaseException],
     ) -> AsyncIterator[RequestOutput]:
         finished = False
-        # For the "abort" output: which completions are still running, and the latest of each.
-        unfinished = set(range(sampling_params.n))
-        latest: dict[int, CompletionOutput] = {}
         try:
             for request in requests:
                 await self.client.add_request(request)
@@ -169,14 +158,6 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if isinstance(item, _Aborted):
-                    finished = True
-                    yield _aborted_output(request_id, prompt, requests, unfinished, latest)
-                    break
-                for completion in item.outputs:
-                    latest[completion.index] = completion
-                    if completion.finish_reason is not None:
-                        unfinished.discard(completion.index)
                 finished = item.finished
                 yield item
         finally:
@@ -205,13 +186,15 @@ class AsyncLLM:
         """Stop a request and free its KV blocks (no-op when it already finished).
 
         A ``generate()`` waiting for this request's outputs yields a last output whose unfinished
-        completions have finish_reason ``"abort"``, then ends.
+        completions have finish_reason ``"abort"`` (``OutputProcessor.make_abort_output``), then
+        ends.
         """
+        aborted = self.frontend.output_processor.make_abort_output(request_id)
         core_ids = self._abort_tracked(request_id)
         queue = self._queues.pop(request_id, None)
         self._num_core_requests.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(_ABORTED)
+        if queue is not None and aborted is not None:
+            queue.put_nowait(aborted)
         if core_ids and not self._is_shut_down:
             await self.client.abort_requests(core_ids)
 
@@ -294,30 +277,3 @@ class AsyncLLM:
         for task in self._background:
             task.cancel()
         self.client.shutdown()
-
-
-def _aborted_output(
-    request_id: str,
-    prompt: PromptType,
-    requests: list[EngineCoreRequest],
-    unfinished: set[int],
-    latest: dict[int, CompletionOutput],
-) -> RequestOutput:
-    """The last output of an aborted request: each unfinished completion with finish_reason
-    "abort", empty in DELTA mode and as last seen otherwise (empty in FINAL_ONLY mode, which saw
-    nothing)."""
-    delta = requests[0].sampling_params.output_kind == RequestOutputKind.DELTA
-    outputs = [
-        CompletionOutput(index=index, text="", token_ids=[], finish_reason="abort")
-        if delta or index not in latest
-        else dataclasses.replace(latest[index], finish_reason="abort")
-        for index in sorted(unfinished)
-    ]
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt_text(prompt),
-        prompt_token_ids=requests[0].prompt_token_ids,
-        prompt_logprobs=None,
-        outputs=outputs,
-        finished=True,
-    )

@@ -13,8 +13,8 @@ import time
 
 from kiln.config import KilnConfig
 from kiln.core.request import Request, RequestStatus
-from kiln.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kiln.executor import Executor
+from kiln.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kiln.plugins.interfaces import resolve_class, resolve_named_classes
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 from kiln.engine.core_proc import (
     ABORT,
     ADD,
@@ -34,6 +33,7 @@ from kiln.engine.core_proc import (
     StartupError,
     run_engine_core,
 )
+from kiln.messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 
 logger = logging.getLogger(__name__)
 

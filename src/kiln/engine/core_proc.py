@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from kiln.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 

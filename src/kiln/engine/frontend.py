@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kiln.config import KilnConfig
-from kiln.engine import EngineCoreRequest
 from kiln.engine.input_processor import InputProcessor, PromptType, fan_out, prompt_text
 from kiln.engine.output_processor import OutputProcessor, ParentRequest
+from kiln.messages import EngineCoreRequest
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.model_executor.loader.default_model import DEFAULT_MODEL_NAME
 from kiln.sampling_params import SamplingParams
@@ -70,21 +70,29 @@ class Frontend:
     def make_requests(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate ``prompt``, register it with the output processor, and return the engine-core
-        requests to send (one per completion when ``n > 1``).
+        requests to send (one per completion when ``n > 1``). An ``EngineCoreRequest`` is one
+        that ``input_processor.process`` made already (under ``request_id``): it is used as it
+        is, with its own params and priority.
 
         Raises:
             ValueError: an invalid prompt or params (see ``InputProcessor.process``).
         """
-        request = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        if isinstance(prompt, EngineCoreRequest):
+            request, text = prompt, None
+        else:
+            request = self.input_processor.process(
+                request_id, prompt, params, arrival_time, priority
+            )
+            text = prompt_text(prompt)
         children = fan_out(request)
-        parent = ParentRequest(request_id, request.sampling_params) if params.n > 1 else None
-        text = prompt_text(prompt)
+        n = request.sampling_params.n
+        parent = ParentRequest(request_id, request.sampling_params) if n > 1 else None
         for index, child in enumerate(children):
             self.output_processor.add_request(child, text, parent, index)
         return children

@@ -5,8 +5,11 @@ token-id prompt is used exactly as given: no BOS is added), checks the request a
 and the server (prompt not empty, token ids in the vocabulary, prompt plus ``max_tokens`` within
 ``max_model_len``, logprobs within ``max_logprobs``) and returns the request the engine core runs,
 with its own copy of the params completed: ``max_tokens`` filled in when None, the model's EOS ids
-recorded. Every rejection is a ``ValueError`` naming the field. The caller's params are never
-mutated. ``fan_out`` splits an ``n > 1`` request into its ``n`` child requests.
+recorded. Every rejection is a ``ValueError`` naming the field; the prompt's own faults (length,
+token ids) are ``PromptError``s with the field in ``param`` and vLLM's wording, which the API
+server answers unchanged as its 400. These are the only copies of the length and token-id rules.
+The caller's params are never mutated. ``fan_out`` splits an ``n > 1`` request into its ``n``
+child requests.
 
 What it must not know: scheduling, the engine core's internals, how outputs are made.
 """
@@ -19,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from kiln.engine import EngineCoreRequest
+from kiln.messages import EngineCoreRequest
 from kiln.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -78,6 +81,15 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class PromptError(ValueError):
+    """A prompt the engine refuses; ``param`` is the request field at fault (``"prompt"`` or
+    ``"max_tokens"``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class InputProcessor:
     """Validates requests and turns prompts into token ids.
 
@@ -128,18 +140,23 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        *,
+        prompt_name: str = "prompt",
     ) -> EngineCoreRequest:
         """The engine-core request for ``prompt`` (see the module docstring).
 
         ``arrival_time`` defaults to now (``time.time()``, the clock the output processor uses).
+        ``prompt_name`` is how error messages name the prompt (``"prompt 2"`` in a batch).
 
         Raises:
-            ValueError: the prompt is empty, of the wrong type, has token ids outside the
-                vocabulary, or does not fit ``max_model_len`` with ``max_tokens``; the params ask
-                for more logprobs than ``max_logprobs`` or name token ids outside the vocabulary.
+            PromptError: the prompt has token ids outside the vocabulary, or does not fit
+                ``max_model_len`` (with ``max_tokens`` when set).
+            ValueError: the prompt is empty or of the wrong type; the params ask for more
+                logprobs than ``max_logprobs`` or name token ids outside the vocabulary.
         """
-        prompt_token_ids = self._tokenize(prompt)
+        prompt_token_ids = self._tokenize(prompt, prompt_name)
         params = params.clone()
+        self._check_length(len(prompt_token_ids), params.max_tokens)
         self._validate_params(params, len(prompt_token_ids))
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
         return EngineCoreRequest(
@@ -151,12 +168,12 @@ class InputProcessor:
             priority=priority,
         )
 
-    def _tokenize(self, prompt: PromptType) -> list[int]:
+    def _tokenize(self, prompt: PromptType, name: str) -> list[int]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return self._tokenize(prompt["prompt_token_ids"])
+                return self._tokenize(prompt["prompt_token_ids"], name)
             if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
+                return self._tokenize(prompt["prompt"], name)
             raise ValueError(
                 f"prompt must have a 'prompt' or a 'prompt_token_ids' key, got keys {list(prompt)}"
             )
@@ -173,13 +190,41 @@ class InputProcessor:
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        for position, token_id in enumerate(token_ids):
-            if not _is_token_id(token_id) or not self._in_vocab(token_id):
-                raise ValueError(
-                    f"prompt_token_ids must be token ids in [0, {self.vocab_size}), "
-                    f"got {token_id!r} at position {position}"
-                )
+        self.check_token_ids(token_ids, name)
         return token_ids
+
+    def check_token_ids(self, token_ids: Sequence[int], where: str = "prompt") -> None:
+        """Raises ``PromptError`` (param ``"prompt"``) for the first of ``token_ids`` that is no
+        token id of the vocabulary; ``where`` names the list in the message."""
+        for position, token_id in enumerate(token_ids):
+            at = f"token id {token_id!r} at position {position} of {where}"
+            if not _is_token_id(token_id):
+                raise PromptError(f"{at} must be an integer", "prompt")
+            if token_id < 0:
+                raise PromptError(f"{at} must be greater than or equal to 0", "prompt")
+            if not self._in_vocab(token_id):
+                raise PromptError(
+                    f"{at} is out of vocabulary (vocab_size={self.vocab_size})", "prompt"
+                )
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        # A completion has at least one token, so a prompt that fills the context cannot run.
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
+                "messages.",
+                "prompt",
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise PromptError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
+                f"{num_prompt_tokens}).",
+                "max_tokens",
+            )
 
     def _in_vocab(self, token_id: int) -> bool:
         return token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
@@ -196,23 +241,13 @@ class InputProcessor:
                 raise ValueError(
                     f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {token_id}"
                 )
-        max_tokens = params.max_tokens
-        if max_tokens is None and prompt_len < self.max_model_len:
+        if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len
-            return
-        # A completion has at least one token, so a prompt that fills the context cannot run.
-        num_completion = 1 if max_tokens is None else max_tokens
-        if prompt_len + num_completion > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_len + num_completion} tokens ({prompt_len} in the "
-                f"messages, {num_completion} in the completion). Please reduce the length of the "
-                "messages (prompt) or completion (max_tokens)."
-            )
 
 
 __all__ = [
     "InputProcessor",
+    "PromptError",
     "PromptType",
     "child_request_id",
     "fan_out",

@@ -7,6 +7,8 @@ finishes the request with finish_reason ``"stop"`` and stop_reason the string, a
 dicts, and builds the ``RequestOutput`` its output kind asks for: CUMULATIVE (everything so far),
 DELTA (only what is new) or FINAL_ONLY (once, when finished). Children of an ``n > 1`` request
 are gathered into one ``RequestOutput`` of their ``ParentRequest``, completions in index order.
+``make_abort_output`` builds the last output of a request aborted from outside (its unfinished
+completions with finish_reason ``"abort"``), so every ``RequestOutput`` is made here.
 Each call also returns an ``IterationStats`` (TTFT, inter-token latencies, finished requests'
 latencies and token counts) for the caller's metrics; times are wall-clock (``time.time()``, the
 clock of ``EngineCoreRequest.arrival_time``).
@@ -17,13 +19,14 @@ text: stop strings and detokenization live here only.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from kiln.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kiln.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from kiln.outputs import (
     CompletionOutput,
     Logprob,
@@ -145,6 +148,14 @@ class ParentRequest(_SendsPromptLogprobsOnce):
     def finished(self) -> bool:
         return self._num_finished == self.n
 
+    @property
+    def first_child(self) -> _RequestState:
+        return self._children[0]
+
+    def completion(self, index: int) -> CompletionOutput:
+        """The latest completion output of child ``index`` (empty before its first)."""
+        return self._completions[index]
+
     def add_child(self, child: _RequestState) -> None:
         self.child_request_ids.add(child.request_id)
         self._children.append(child)
@@ -230,6 +241,8 @@ class _RequestState(_SendsPromptLogprobsOnce):
         self.prompt_logprobs: PromptLogprobs | None = None
         self._prompt_logprobs_sent = False
         self._num_sent_tokens = 0
+        self.latest: CompletionOutput | None = None
+        """The last completion output made (for the abort output)."""
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
 
@@ -262,7 +275,7 @@ class _RequestState(_SendsPromptLogprobsOnce):
         )
         start = self._num_sent_tokens if delta else 0
         self._num_sent_tokens = len(self.token_ids)
-        return CompletionOutput(
+        self.latest = CompletionOutput(
             index=self.index,
             text=text,
             token_ids=self.token_ids[start:],
@@ -271,6 +284,7 @@ class _RequestState(_SendsPromptLogprobsOnce):
             finish_reason=None if finish_reason is None else str(finish_reason),
             stop_reason=stop_reason,
         )
+        return self.latest
 
     def make_request_output(self, completion: CompletionOutput, finished: bool) -> RequestOutput:
         prompt_logprobs = self._prompt_logprobs_once(self.prompt_logprobs)
@@ -325,6 +339,37 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def make_abort_output(self, request_id: str) -> RequestOutput | None:
+        """The last output of ``request_id`` (or of a parent of ``n > 1`` requests) when it is
+        aborted now: each unfinished completion with finish_reason ``"abort"``, empty in DELTA
+        mode and as last sent otherwise (empty in FINAL_ONLY mode, which sent nothing). None when
+        the request is not tracked (it finished). Call before ``abort_requests``.
+        """
+        parent = self.parent_requests.get(request_id)
+        if parent is not None:
+            states = [self.request_states[child_id] for child_id in parent.child_request_ids]
+            latest = {state.index: parent.completion(state.index) for state in states}
+        elif request_id in self.request_states:
+            states = [self.request_states[request_id]]
+            latest = {states[0].index: states[0].latest}
+        else:
+            return None
+        first = states[0] if parent is None else parent.first_child
+        outputs = [
+            dataclasses.replace(completion, finish_reason="abort")
+            if completion is not None and first.output_kind != RequestOutputKind.DELTA
+            else CompletionOutput(index=index, text="", token_ids=[], finish_reason="abort")
+            for index, completion in sorted(latest.items())
+        ]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=True,
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.engine import SchedulerStats
 from kiln.engine.output_processor import IterationStats
+from kiln.messages import SchedulerStats
 
 logger = logging.getLogger("kiln.engine")
 

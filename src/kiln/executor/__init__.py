@@ -55,8 +55,4 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @abstractmethod
-    def check_health(self) -> None:
-        """Raise if a worker is gone."""
-
-    @abstractmethod
     def shutdown(self) -> None: ...

@@ -37,8 +37,5 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def check_health(self) -> None:
-        return None
-
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -4,7 +4,10 @@ Each step it (1) applies the scheduler's diff to the persistent batch, (2) prepa
 input ids, positions and ``CommonAttentionMetadata`` with vectorised NumPy gathers, (3) runs the
 model inside a forward context, computes logits for the last scheduled token of each request (and
 for prompt positions of requests that asked for prompt logprobs), (4) samples, and (5) reads the
-result back with one host sync. It is device-agnostic PyTorch: platforms reuse it or subclass it.
+result back with one host sync. Logprobs leave it complete and per request: the sampled token's
+row for each request that asked, and a request's prompt logprobs whole (gathered across prefill
+chunks) in the step that samples its first token. It is device-agnostic PyTorch: platforms reuse
+it or subclass it.
 
 Graphs: decode steps (one new token per request) of at most the largest bucket are padded to the
 smallest bucket that holds them and run through the platform's graph wrapper, which
@@ -30,8 +33,8 @@ from kiln.core.sched.output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from kiln.engine import LogprobsLists
 from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.messages import LogprobsLists
 from kiln.model_executor.layers.attention import (
     CommonAttentionMetadata,
     bind_kv_cache,
@@ -164,19 +167,29 @@ class ModelRunner(ModelRunnerBase):
 
         prompt_logprobs = self._prompt_logprobs_step(rows, num_scheduled, hidden_states, common)
         sampled = sampler_output.sampled_token_ids.tolist()  # the step's one host sync
-        logprobs = None
+        rows_logprobs = None  # [len(rows)] rows, when some request asked for logprobs
         if sampler_output.logprobs_tensors is not None:
-            logprobs = LogprobsLists(*sampler_output.logprobs_tensors.tolists())
+            rows_logprobs = LogprobsLists(*sampler_output.logprobs_tensors.tolists())
 
         req_ids = [batch.req_ids[row] for row in rows]
         sampled_token_ids: list[list[int]] = []
+        logprobs: dict[str, LogprobsLists] = {}
         for i, row in enumerate(rows):
             batch.num_computed_tokens[row] = computed_after[i]
             if is_partial[i]:
                 sampled_token_ids.append([])
-            else:
-                batch.append_token(row, sampled[i])
-                sampled_token_ids.append([sampled[i]])
+                continue
+            batch.append_token(row, sampled[i])
+            sampled_token_ids.append([sampled[i]])
+            if (
+                rows_logprobs is not None
+                and batch.requests[row].sampling_params.logprobs is not None
+            ):
+                logprobs[req_ids[i]] = LogprobsLists(
+                    [rows_logprobs.logprob_token_ids[i]],
+                    [rows_logprobs.logprobs[i]],
+                    [rows_logprobs.sampled_token_ranks[i]],
+                )
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
@@ -247,7 +260,7 @@ class ModelRunner(ModelRunnerBase):
         num_scheduled: np.ndarray,
         hidden_states: torch.Tensor,
         common: CommonAttentionMetadata,
-    ) -> dict[str, LogprobsLists | None]:
+    ) -> dict[str, LogprobsLists]:
         """Logprobs of the prompt tokens computed this step, for requests that asked.
 
         Position ``p`` predicts prompt token ``p + 1``; a request's complete list (``P - 1``
@@ -255,7 +268,7 @@ class ModelRunner(ModelRunnerBase):
         """
         batch = self.input_batch
         assert batch is not None
-        result: dict[str, LogprobsLists | None] = {}
+        result: dict[str, LogprobsLists] = {}
         if not any(batch.requests[row].sampling_params.prompt_logprobs is not None for row in rows):
             return result  # the common case: no per-step work
         starts = common.query_start_loc.tolist()

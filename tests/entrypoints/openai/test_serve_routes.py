@@ -180,3 +180,63 @@ def test_metrics_is_prometheus_text(server: KilnServer) -> None:
     assert "# TYPE kiln:time_to_first_token_seconds histogram" in response.text
     assert "# TYPE kiln:prompt_tokens_total counter" in response.text
     assert "_created" not in response.text
+
+
+CONTEXT_1024 = "This model's maximum context length is 1024 tokens"
+OUT_OF_VOCAB = "token id 50000 at position 1 of {} is out of vocabulary (vocab_size=49152)"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "message"),
+    [
+        # The third prompt of a batch is named by its index.
+        (
+            "completions",
+            {"prompt": [[1], [2], [1, 50000]]},
+            "prompt",
+            OUT_OF_VOCAB.format("prompt 2"),
+        ),
+        (
+            "completions",
+            {"prompt": [3, -1]},
+            "prompt",
+            "token id -1 at position 1 of prompt 0 must be greater than or equal to 0",
+        ),
+        (
+            "completions",
+            {"prompt": [1] * 1024},
+            "prompt",
+            f"{CONTEXT_1024}. However, your request has 1024 input tokens. Please reduce the "
+            "length of the input messages.",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1020},
+            "max_tokens",
+            "'max_tokens' or 'max_completion_tokens' is too large: 1020. This model's maximum "
+            "context length is 1024 tokens and your request has {n} input tokens (1020 > 1024 - "
+            "{n}).",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi " * 1030}]},
+            "messages",
+            None,
+        ),
+        ("detokenize", {"tokens": [5, 50000]}, "tokens", OUT_OF_VOCAB.format("tokens")),
+    ],
+)
+def test_admission_errors_keep_their_message_and_param(
+    http: httpx.Client, route: str, body: dict, param: str, message: str | None
+) -> None:
+    response = http.post(f"/v1/{route}" if route != "detokenize" else "/detokenize", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    if message is None:
+        assert error["message"].startswith(CONTEXT_1024)
+    elif "{n}" in message:
+        tokenized = http.post("/tokenize", json={"messages": body["messages"]}).json()
+        assert error["message"] == message.format(n=tokenized["count"])
+    else:
+        assert error["message"] == message

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kiln.engine import EngineDeadError
 from kiln.engine.async_llm import QueueFullError
 from kiln.entrypoints.openai.errors import OpenAIError, bad_request, to_openai_error
 from kiln.entrypoints.openai.streams import merge_async_iterators, sse, sse_events
+from kiln.messages import EngineDeadError
 
 
 async def _collect(iterator: AsyncIterator) -> list:

@@ -38,7 +38,7 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 def get_token_ids(request: Request, start: int, end: int) -> list[int]:
     """``request``'s token ids in ``[start, end)`` over prompt + output, without concatenating
-    the whole sequence (``Request.all_token_ids`` copies everything)."""
+    the whole sequence."""
     prompt = request.prompt_token_ids
     num_prompt_tokens = len(prompt)
     if end <= num_prompt_tokens:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.engine import LogprobsLists
+from kiln.messages import LogprobsLists
 from kiln.sampling_params import SamplingParams
 
 
@@ -54,10 +54,12 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     """Per request in ``req_ids`` order: the sampled token, or [] for a partial prefill chunk."""
-    logprobs: LogprobsLists | None = None
-    """Rows in ``req_ids`` order (only when some request asked for logprobs)."""
-    prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
-    """Prompt logprobs computed this step, per request that asked (may arrive in chunks)."""
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """Per request that asked for logprobs and sampled this step: the logprobs of its sampled
+    token (one row each). Complete: the scheduler routes them as they are."""
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    """Per request that asked for prompt logprobs and whose prefill finished this step (the step
+    that samples its first token): all ``P - 1`` of them, never in chunks."""
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -16,7 +16,9 @@ Each ``schedule()`` hands out ``{request_id: num_new_tokens}`` under ``max_num_b
 ``update_from_output()`` advances ``num_computed_tokens`` by what was scheduled, appends sampled
 tokens and checks stops in this order: EOS (unless ``ignore_eos``), ``stop_token_ids`` (both only
 once ``min_tokens`` are out), ``max_tokens``, then the context length. Stop *strings* are the front
-end's: it aborts the request through ``finish_requests``.
+end's: it aborts the request through ``finish_requests``. Logprobs come from the runner complete
+and per request; the scheduler only routes them into the request's output (prompt logprobs with
+its first token).
 
 A request that can never fit (``num_prompt_tokens + 1 > max_model_len``, where ``max_model_len`` is
 capped by the whole cache's capacity) is not queued: it finishes as FINISHED_IGNORED (finish reason
@@ -45,12 +47,10 @@ from kiln.core.sched.output import (
     SchedulerOutput,
 )
 from kiln.core.sched.queue import RequestQueue, SchedulingKey
-from kiln.engine import (
+from kiln.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreRequest,
     FinishReason,
-    LogprobsLists,
     SchedulerStats,
 )
 
@@ -98,20 +98,16 @@ class Scheduler(SchedulerInterface):
         self._keys: dict[str, SchedulingKey] = {}
         self._seq = count()
         self._ignored: dict[str, EngineCoreOutput] = {}
-        # Prompt logprobs received in chunks, sent with the request's first token.
-        self._prompt_logprobs: dict[str, LogprobsLists] = {}
         self._num_preemptions = 0
 
     # -- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, request: Request | EngineCoreRequest) -> None:
+    def add_request(self, request: Request) -> None:
         """Queue a new request, or finish it as ignored when it can never fit (see module doc).
 
         Raises:
             ValueError: the request id is already in use, or the prompt is empty.
         """
-        if isinstance(request, EngineCoreRequest):
-            request = Request.from_engine_core_request(request)
         request_id = request.request_id
         if request_id in self.requests or request_id in self._ignored:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -170,10 +166,6 @@ class Scheduler(SchedulerInterface):
     def get_request_counts(self) -> tuple[int, int]:
         """``(num_running, num_waiting)``."""
         return len(self.running), len(self.waiting)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns the number of blocks dropped from the cache."""
-        return self.kv_cache_manager.reset_prefix_cache()
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -279,43 +271,33 @@ class Scheduler(SchedulerInterface):
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
-        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
         num_finished = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_tokens
-            if prompt_logprobs_dict and request.num_output_tokens == 0:
-                self._add_prompt_logprobs(request_id, prompt_logprobs_dict.get(request_id))
             index = req_id_to_index.get(request_id)
             if index is None or request.num_computed_tokens < request.num_tokens:
                 continue  # A partial prefill chunk samples nothing.
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids:
                 continue
-            is_first_output = request.num_output_tokens == 0
+            # A prefill recomputed after a preemption computes prompt logprobs again: sent once.
+            prompt = prompt_logprobs.get(request_id) if request.num_output_tokens == 0 else None
             is_stopped = False
             for i, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
                 if is_stopped := self._check_stop(request):
                     new_token_ids = new_token_ids[: i + 1]
                     break
-            new_logprobs = None
-            if logprobs is not None and request.sampling_params.logprobs is not None:
-                new_logprobs = LogprobsLists(
-                    [logprobs.logprob_token_ids[index]],
-                    [logprobs.logprobs[index]],
-                    [logprobs.sampled_token_ranks[index]],
-                )
             outputs.append(
                 EngineCoreOutput(
                     request_id,
                     new_token_ids,
-                    new_logprobs=new_logprobs,
-                    new_prompt_logprobs=(
-                        self._prompt_logprobs.pop(request_id, None) if is_first_output else None
-                    ),
+                    new_logprobs=logprobs.get(request_id),
+                    new_prompt_logprobs=prompt,
                     finish_reason=request.get_finished_reason() if is_stopped else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -372,7 +354,6 @@ class Scheduler(SchedulerInterface):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
-        self._prompt_logprobs.pop(request.request_id, None)  # Recomputed from the start.
         self.waiting.add(request, self._keys[request.request_id])
         self.finished_req_ids.add(request.request_id)
         logger.warning(
@@ -386,18 +367,4 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         del self.requests[request_id]
         del self._keys[request_id]
-        self._prompt_logprobs.pop(request_id, None)
         self.finished_req_ids.add(request_id)
-
-    def _add_prompt_logprobs(self, request_id: str, chunk: LogprobsLists | None) -> None:
-        if chunk is None:
-            return
-        done = self._prompt_logprobs.get(request_id)
-        if done is None:
-            self._prompt_logprobs[request_id] = LogprobsLists(
-                list(chunk.logprob_token_ids), list(chunk.logprobs), list(chunk.sampled_token_ranks)
-            )
-        else:
-            done.logprob_token_ids.extend(chunk.logprob_token_ids)
-            done.logprobs.extend(chunk.logprobs)
-            done.sampled_token_ranks.extend(chunk.sampled_token_ranks)

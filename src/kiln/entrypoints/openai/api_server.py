@@ -40,7 +40,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kiln
 from kiln.config import KilnConfig
-from kiln.engine import EngineDeadError
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
@@ -55,6 +54,7 @@ from kiln.entrypoints.openai.serving_chat import OpenAIServingChat
 from kiln.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kiln.entrypoints.openai.serving_engine import ServerOptions, ServerState
 from kiln.entrypoints.openai.serving_models import OpenAIServingModels, OpenAIServingTokenization
+from kiln.messages import EngineDeadError
 from kiln.model_executor.loader import resolve_model_ref
 
 logger = logging.getLogger("kiln.server")

@@ -21,8 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from kiln.engine import EngineDeadError
 from kiln.engine.async_llm import QueueFullError
+from kiln.messages import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

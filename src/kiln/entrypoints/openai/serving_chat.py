@@ -72,10 +72,9 @@ class OpenAIServingChat(OpenAIServing):
             chat_template_kwargs=template_kwargs,
         )
         request_id = self.make_request_id("chatcmpl", request, raw)
-        self.check_length(len(prompt.token_ids), max_tokens)
-        self.validate(request_id, prompt, params)
+        engine_requests = self.process(request_id, [prompt], params, request.priority)
         self.check_ready()
-        ids, outputs = self.generate(request_id, [prompt], params, request.priority)
+        ids, outputs = self.generate(engine_requests)
         run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs)
         if request.stream:
             return self.stream(ids, run.stream(outputs))

@@ -82,9 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_ready()
         prompts = await self._prompts(request)
         request_id = self.make_request_id("cmpl", request, raw)
-        for prompt in prompts:
-            self.check_length(len(prompt.token_ids), params.max_tokens)
-            self.validate(request_id, prompt, params)
+        engine_requests = self.process(request_id, prompts, params, request.priority)
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:
@@ -92,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         self.tokenizer.decode, prompt.token_ids, False
                     )
         self.check_ready()
-        ids, outputs = self.generate(request_id, prompts, params, request.priority)
+        ids, outputs = self.generate(engine_requests)
         run = _Run(self, request, request_id, prompts, echo_only)
         if request.stream:
             return self.stream(ids, run.stream(outputs))
@@ -109,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             items = list(prompt)  # type: ignore[arg-type]
         prompts = []
-        for i, item in enumerate(items):
+        for item in items:
             if isinstance(item, str):
                 token_ids = await self.encode(item, request.add_special_tokens) if item else []
                 if not token_ids:
@@ -118,7 +116,6 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 if not item:
                     raise OpenAIError(_EMPTY_PROMPT, param="prompt")
-                self.check_token_ids(item, f"prompt {i}")
                 prompts.append(Prompt(list(item)))
         return prompts
 

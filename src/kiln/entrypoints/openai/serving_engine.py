@@ -1,10 +1,12 @@
-"""What the completion and chat routes share: model and readiness checks, tokenization and length
-checks with vLLM's messages, sampling params from a request, validation before anything runs,
-starting the prompts' generators, and the JSON or SSE response (see ``streams``).
+"""What the completion and chat routes share: model and readiness checks, tokenization, sampling
+params from a request, admission through the input processor before anything runs, starting the
+prompts' generators, and the JSON or SSE response (see ``streams``).
 
 Contract: a request is checked completely before the engine sees it (so a bad request is a 4xx
 even with ``stream: true``, before any byte of the stream), and admitted (or refused with a 503)
-before its response starts; then each prompt runs as one ``AsyncLLM.generate`` with
+before its response starts. Each prompt is validated once, by the engine's input processor
+(``process``), whose ``ValueError`` becomes the 400: the length and token-id rules live there, not
+here. Then each processed request runs as one ``AsyncLLM.generate`` with
 ``RequestOutputKind.DELTA``, under an engine request id of its own (a client's ``request_id`` or
 ``X-Request-Id`` names the response, and two requests may share it). Tokenizing and chat
 templates run in worker threads, never on the event loop, and a prompt too long to fit the
@@ -32,9 +34,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kiln.engine.async_llm import AsyncLLM, QueueFullError
+from kiln.engine.input_processor import PromptError
 from kiln.entrypoints.openai.errors import OpenAIError, bad_request, to_openai_error
 from kiln.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel
 from kiln.entrypoints.openai.streams import merge_async_iterators, run_or_abort, sse_events
+from kiln.messages import EngineCoreRequest
 from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -175,42 +179,6 @@ class OpenAIServing:
     def _prompt_param(self) -> str:
         return "messages" if "messages" in self.request_fields else "prompt"
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raises a 400 with vLLM's messages when the prompt, or prompt plus ``max_tokens``, does
-        not fit the context."""
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
-                "messages.",
-                param=self._prompt_param,
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise OpenAIError(
-                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
-                f"model's maximum context length is {limit} tokens and your request has "
-                f"{num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
-                f"{num_prompt_tokens}).",
-                param="max_tokens",
-            )
-
-    def check_token_ids(self, token_ids: list[int], where: str, param: str = "prompt") -> None:
-        vocab_size = self.frontend.input_processor.vocab_size
-        for position, token_id in enumerate(token_ids):
-            if token_id < 0:
-                raise OpenAIError(
-                    f"token id {token_id} at position {position} of {where} must be greater "
-                    "than or equal to 0",
-                    param=param,
-                )
-            if vocab_size is not None and token_id >= vocab_size:
-                raise OpenAIError(
-                    f"token id {token_id} at position {position} of {where} is out of "
-                    f"vocabulary (vocab_size={vocab_size})",
-                    param=param,
-                )
-
     # -- building requests ----------------------------------------------------------------------
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
@@ -342,12 +310,43 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(exc, self.request_fields) from None
 
-    def validate(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Everything the engine would refuse, refused now (a 400 before any byte is sent)."""
-        try:
-            self.frontend.input_processor.process(request_id, prompt.for_engine(), params)
-        except ValueError as exc:
-            raise bad_request(exc, self.request_fields) from None
+    def process(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int
+    ) -> list[EngineCoreRequest]:
+        """Each prompt validated by the input processor, as the engine request it runs as (a 400
+        before any byte is sent). The engine ids derive from ``request_id`` and are unique even
+        when clients reuse it.
+
+        Raises:
+            OpenAIError: 400 with the input processor's message for anything it refuses.
+        """
+        base = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        process = self.frontend.input_processor.process
+        requests = []
+        for index, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            try:
+                requests.append(
+                    process(
+                        rid,
+                        prompt.for_engine(),
+                        params,
+                        None,
+                        priority,
+                        prompt_name=f"prompt {index}",
+                    )
+                )
+            except ValueError as exc:
+                raise self.input_error(exc) from None
+        return requests
+
+    def input_error(self, exc: ValueError) -> OpenAIError:
+        """The 400 for the input processor's ``exc``; a ``PromptError`` about the prompt names
+        this route's prompt field (``prompt`` or ``messages``)."""
+        error = bad_request(exc, self.request_fields)
+        if isinstance(exc, PromptError):
+            error.param = self._prompt_param if exc.param == "prompt" else exc.param
+        return error
 
     @staticmethod
     def make_request_id(prefix: str, request: Any, raw: Request) -> str:
@@ -358,22 +357,22 @@ class OpenAIServing:
     # -- running --------------------------------------------------------------------------------
 
     def generate(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int
+        self, requests: list[EngineCoreRequest]
     ) -> tuple[list[str], AsyncIterator[tuple[int, RequestOutput]]]:
-        """Admit ``prompts`` now; returns their engine request ids and merged outputs
-        (``(prompt index, output)``). The engine ids are unique even when clients reuse
-        ``request_id``.
+        """Admit the ``process``ed ``requests`` now; returns their engine request ids and merged
+        outputs (``(prompt index, output)``).
 
         Raises:
             OpenAIError: 503 when the waiting queue is full or the engine is dead; nothing of
                 this request stays admitted.
         """
-        base = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        ids = [request.request_id for request in requests]
         generators: list[AsyncIterator[RequestOutput]] = []
         try:
-            for rid, prompt in zip(ids, prompts, strict=True):
-                generators.append(self.llm.generate(prompt.for_engine(), params, rid, priority))
+            for request in requests:
+                generators.append(
+                    self.llm.generate(request, request.sampling_params, request.request_id)
+                )
         except Exception as exc:
             for rid in ids[: len(generators)]:
                 self.llm.release(rid)

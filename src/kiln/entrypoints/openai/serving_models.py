@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from kiln.entrypoints.openai.serving_engine import OpenAIServing, ServerState
 
@@ -68,7 +69,10 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(request.model)
-        self.check_token_ids(request.tokens, "tokens", param="tokens")
+        try:
+            self.frontend.input_processor.check_token_ids(request.tokens, "tokens")
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="tokens") from None
         text = await self.run_in_worker(self.tokenizer.decode, request.tokens, False)
         return {"prompt": text}
 
