@@ -2,8 +2,9 @@
 
 Microseconds per call, the best of ``--repeat`` loops in thread CPU time (one thread), every
 column from the same run. Columns: dense bf16 and float32 ``F.linear`` (the
-baselines), kiln-x86's kernel (``quant.matmul``: C++ up to ``MAX_KERNEL_ROWS`` rows, then
-dequantize + dense GEMM), the C++ kernel alone and dequantize + bf16 GEMM alone at every row
+baselines), kiln-x86's kernel (``quant.matmul``: the int8 kernel up to ``INT8_MAX_ROWS`` rows where
+built, else C++ up to ``MAX_KERNEL_ROWS`` rows, then dequantize + dense GEMM), the C++ float kernel
+alone, the int8 kernel alone and dequantize + bf16 GEMM alone at every row
 count, and torch's built-in int4
 kernel (``_weight_int4pack_mm_for_cpu``, group 32) with float32 activations and with bfloat16
 ones (whose scales and zeros it wants in bfloat16, which GGUF's float16 scales do not survive).
@@ -61,6 +62,7 @@ COLUMNS = [
     "fp32 dense",
     "kiln-x86 (bf16 x)",
     "C++ kernel",
+    "int8 kernel",
     "dequant + GEMM",
     "torch int4 (fp32 x)",
     "torch int4 (bf16 x)",
@@ -81,9 +83,12 @@ def measure_row(w: np.ndarray, qtype: T, rows: int, repeat: int) -> list[float]:
         lambda: torch.nn.functional.linear(xf, wf),
         lambda: quant.matmul(xb, p),
         lambda: ext.qmatmul(xb, p.qweight, p.scales, p.mins, p.group, p.bits),
+        lambda: ext.qmatmul_int8(xb, p.qweight, p.scales, p.mins, p.group, p.bits),
         lambda: torch.nn.functional.linear(xb, quant.dequantize(p, torch.bfloat16)),
     ]
-    cols = [best_us(fn, repeat) for fn in calls]
+    if not hasattr(ext, "qmatmul_int8"):  # built with AVX512-VNNI only
+        calls[4] = None
+    cols = [float("nan") if fn is None else best_us(fn, repeat) for fn in calls]
     if qtype == T.Q4_1 and rows <= 16:  # slow beyond
         i4, sz = int4pack(w)
         szb = sz.bfloat16()
@@ -114,10 +119,16 @@ def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
     print(
         f"{len(packed)} weights: packed {q_bytes / 2**20:.0f} MiB, bf16 {d_bytes / 2**20:.0f} MiB"
     )
-    columns = ["bf16 dense", "kiln-x86 `matmul`", "C++ kernel only", "dequantize + GEMM only"]
+    columns = [
+        "bf16 dense",
+        "kiln-x86 `matmul`",
+        "int8 kernel only",
+        "float kernel only",
+        "dequantize + GEMM only",
+    ]
     print("| rows | " + " | ".join(f"{c}, ms" for c in columns) + " |")
-    print("|---|---|---|---|---|")
-    threshold = quant.MAX_KERNEL_ROWS
+    print("|---|" + "---|" * len(columns))
+    threshold, int8_threshold = quant.MAX_KERNEL_ROWS, quant.INT8_MAX_ROWS
     for rows in rows_list:
         xs = {k: torch.randn(rows, k).bfloat16() for k in {p.in_features for p in packed}}
 
@@ -125,19 +136,20 @@ def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
             for w in dense:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
-        def run_quant(max_kernel_rows: int, xs=xs) -> None:
-            quant.MAX_KERNEL_ROWS = max_kernel_rows
+        def run_quant(max_kernel_rows: int, int8_max_rows: int, xs=xs) -> None:
+            quant.MAX_KERNEL_ROWS, quant.INT8_MAX_ROWS = max_kernel_rows, int8_max_rows
             try:
                 for p in packed:
                     quant.matmul(xs[p.in_features], p)
             finally:
-                quant.MAX_KERNEL_ROWS = threshold
+                quant.MAX_KERNEL_ROWS, quant.INT8_MAX_ROWS = threshold, int8_threshold
 
         runs = [
             run_dense,
-            lambda: run_quant(threshold),
-            lambda rows=rows: run_quant(rows),
-            lambda: run_quant(0),
+            lambda: run_quant(threshold, int8_threshold),
+            lambda rows=rows: run_quant(0, rows),  # Q6_K (none in the default model): dense
+            lambda rows=rows: run_quant(rows, 0),
+            lambda: run_quant(0, 0),
         ]
         best = [float("inf")] * len(runs)
         for _ in range(repeat):  # interleaved, so that each column sees the same load

@@ -50,7 +50,55 @@ def reference(raw: np.ndarray, qtype: T, shape: tuple[int, int]) -> torch.Tensor
     return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(shape))
 
 
-def assert_matmul_close(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor) -> None:
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the int8 kernel documents it, in numpy float32: per block of 32, d = max|x| /
+    127 and q = x * (127 / max|x|) rounded to nearest even; returns d * q (float64)."""
+    xb = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    return torch.from_numpy(d.astype(np.float64) * q).reshape(x.shape)
+
+
+def int8_applies(packed: quant.PackedWeight, rows: int) -> bool:
+    return quant.int8_kernel_applies(quant.load_quant_kernels(), packed, rows)
+
+
+def assert_int8_close(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, packed) -> None:
+    """The int8 kernel: (1) against the float64 product of the rounded activations (``int8_rows``)
+    within float32 rounding: the kernel's float32 terms per block are ``d * dx * sum(u * qx)`` and
+    ``(min - o * d) * dx * sum(qx)`` with the weight's unsigned bytes ``u = q + o`` (o <= 136),
+    each a few roundings, summed: within ``2 K u B`` with ``B = |xq| @ (|W| + |min| + 136 |d|)``;
+    (2) against the exact product within the rounding's worst case: each activation moves by at
+    most half its block's step, max|x| / 254 (x 1.001 for the float32 step and products)."""
+    xd, wd = x.double(), w_ref.double()
+    k = x.shape[-1]
+    xq = int8_rows(x)
+    scale = packed.scales.double().repeat_interleave(32, dim=1)
+    offset = 0 if packed.mins is None else packed.mins.double().repeat_interleave(32, dim=1)
+    big = xq.abs() @ (wd.abs() + offset.abs() if packed.mins is not None else wd.abs()).T
+    big = big + 136 * (xq.abs() @ scale.abs().T)
+    step = xd.abs().reshape(x.shape[0], -1, 32).amax(dim=2).repeat_interleave(32, dim=1) / 254
+    rounding = 1.001 * (step @ wd.abs().T)
+    out = y.double()
+    if y.dtype == torch.bfloat16:  # the result rounded to bfloat16: half an ulp
+        slack = 2.0**-8 * out.abs()
+    else:
+        slack = 0.0
+    err_q = ((out - xq @ wd.T).abs() / (2 * k * U * big + slack + 1e-30)).max().item()
+    assert err_q <= 1.0, f"error {err_q:.3g}x the tolerance against the rounded activations"
+    err = ((out - xd @ wd.T).abs() / (rounding + 2 * k * U * big + slack + 1e-30)).max().item()
+    assert err <= 1.0, f"error {err:.3g}x the int8 rounding bound"
+
+
+def assert_matmul_close(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, packed=None) -> None:
+    """``packed``: the weight when y is ``quant.matmul``'s (the int8 bound where that runs)."""
+    if packed is not None and int8_applies(packed, x.shape[0]):
+        assert y.dtype == x.dtype and y.shape == (x.shape[0], w_ref.shape[0])
+        assert_int8_close(y, x, w_ref, packed)
+        return
     xd, wd = x.double(), w_ref.double()
     ref = xd @ wd.T
     bound = xd.abs() @ wd.abs().T
@@ -92,14 +140,35 @@ def test_matmul_against_dequantized_reference(qtype: T, dtype: torch.dtype, ext)
     rows_cases = [1, 3, 17, quant.MAX_KERNEL_ROWS, quant.MAX_KERNEL_ROWS + 1, 40]
     for rows in rows_cases:
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        assert_matmul_close(quant.matmul(x, packed), x, w_ref)
+        assert_matmul_close(quant.matmul(x, packed), x, w_ref, packed)
         # The C++ kernel alone at every row count (matmul hands many rows to the dense GEMM).
         y = ext.qmatmul(x, packed.qweight, packed.scales, packed.mins, packed.group, packed.bits)
         assert_matmul_close(y, x, w_ref)
     x = torch.randn(2, 3, in_features, generator=gen).to(dtype)  # leading dims kept
     y = quant.matmul(x, packed)
     assert y.shape == (2, 3, out_features)
-    assert_matmul_close(y.reshape(6, -1), x.reshape(6, -1), w_ref)
+    assert_matmul_close(y.reshape(6, -1), x.reshape(6, -1), w_ref, packed)
+
+
+@pytest.mark.parametrize("qtype", [t for t in ALL_TYPES if t != T.Q6_K], ids=lambda t: t.name)
+def test_int8_kernel(qtype: T, ext) -> None:
+    """The AVX512-VNNI kernel alone at every row tile (8 rows and 1-7 left over), an odd number
+    of blocks (96 inputs: the last pair half empty) and an all-zero activation row."""
+    if not hasattr(ext, "qmatmul_int8"):
+        pytest.skip("no AVX512-VNNI on this CPU: the int8 kernel is not built")
+    gen = torch.Generator().manual_seed(4)
+    for in_features in (96, 768) if qtype in (T.Q4_0, T.Q4_1, T.Q8_0) else (256, 768):
+        raw = random_raw(qtype, 21, in_features, seed=5)
+        packed = quant.pack(torch.from_numpy(raw), qtype, 21, in_features)
+        w_ref = reference(raw, qtype, (21, in_features))
+        for rows in (1, 5, 8, 19):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, in_features, generator=gen) * 3).to(dtype)
+                x[-1, :32] = 0.0
+                y = ext.qmatmul_int8(
+                    x, packed.qweight, packed.scales, packed.mins, packed.group, packed.bits
+                )
+                assert_int8_close(y, x, w_ref, packed)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -111,7 +180,7 @@ def test_torch_fallback_without_compiler(qtype: T, monkeypatch) -> None:
     w_ref = reference(raw, qtype, (19, 256))
     assert torch.equal(quant.dequantize(packed), w_ref)
     x = torch.randn(3, 256)
-    assert_matmul_close(quant.matmul(x, packed), x, w_ref)
+    assert_matmul_close(quant.matmul(x, packed), x, w_ref, packed)
     ids = torch.tensor([18, 0, 5])
     assert torch.equal(quant.embedding(ids, packed), w_ref[ids])
 
@@ -146,7 +215,7 @@ def test_real_gguf_tensors(name: str, gguf_tensors, ext) -> None:
     for rows in (1, 3, 17):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
-            assert_matmul_close(quant.matmul(x, packed), x, w_ref)
+            assert_matmul_close(quant.matmul(x, packed), x, w_ref, packed)
     ids = torch.tensor([[0, out_features - 1, 7], [7, 1, 0]])
     rows = quant.embedding(ids, packed)
     assert rows.shape == (2, 3, in_features)
@@ -186,4 +255,4 @@ def test_dense_path_in_tiles(monkeypatch, ext) -> None:
     w_ref = reference(raw, T.Q4_1, (45, 256))
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(quant.MAX_KERNEL_ROWS + 5, 256).to(dtype)
-        assert_matmul_close(quant.matmul(x, packed), x, w_ref)
+        assert_matmul_close(quant.matmul(x, packed), x, w_ref, packed)

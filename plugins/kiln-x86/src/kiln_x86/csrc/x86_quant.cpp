@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -286,6 +287,163 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// ---- Many rows: activations rounded to int8, u8 x s8 dot products (AVX512-VNNI vpdpbusd) ----
+//
+// Each activation row is quantized once per call, per block of 32 (the weight groups):
+// x[k] ~= dx[b] * qx[k], qx in [-127, 127], dx = max|x| / 127. Each weight group is turned into
+// unsigned bytes u = q + o (4-bit: the nibble, o = 0; 8-bit: q + 128 by flipping the sign bit, o =
+// 128) and, per block, sum_k w[k] x[k] ~= d * dx * sum_k u[k] qx[k] + (mins - o' * d) * dx *
+// sum_k qx[k], where o' = o + 8 for Q4_0's offset nibbles. The integer sums are exact; the
+// error is the activations' rounding (at most dx / 2 per element).
+constexpr int kQBlock = 32;
+
+// The quantized activations of one call: int8 rows padded to whole pairs of blocks (64 bytes),
+// dx repeated 8 times per block (the lanes of one block in a vpdpbusd result) and dx * sum(qx)
+// per block, padded to 16 blocks with zeros.
+struct QuantizedRows {
+  at::Tensor q, dx8, sx;
+  int64_t row_q, row_dx8, row_sx;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kQBlock;
+  QuantizedRows r;
+  r.row_q = (nb + 1) / 2 * 64;
+  r.row_dx8 = (nb + 1) / 2 * 16;
+  r.row_sx = (nb + 15) / 16 * 16;
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  r.q = at::zeros({M, r.row_q}, opts.dtype(at::kChar));
+  r.dx8 = at::zeros({M, r.row_dx8}, opts);
+  r.sx = at::zeros({M, r.row_sx}, opts);
+  int8_t* qp = r.q.data_ptr<int8_t>();
+  float* dp = r.dx8.data_ptr<float>();
+  float* sp = r.sx.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * K + b * kQBlock;
+        const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float d = amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        // Nearest even (the default rounding mode); |x| * 127 / amax <= 127 (+ rounding).
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, id));
+        const __m512i lo = _mm512_max_epi32(_mm512_min_epi32(qa, _mm512_set1_epi32(127)),
+                                            _mm512_set1_epi32(-127));
+        const __m512i hi = _mm512_max_epi32(_mm512_min_epi32(qc, _mm512_set1_epi32(127)),
+                                            _mm512_set1_epi32(-127));
+        _mm_storeu_si128((__m128i*)(qp + m * r.row_q + b * kQBlock), _mm512_cvtepi32_epi8(lo));
+        _mm_storeu_si128((__m128i*)(qp + m * r.row_q + b * kQBlock + 16), _mm512_cvtepi32_epi8(hi));
+        _mm256_storeu_ps(dp + m * r.row_dx8 + b * 8, _mm256_set1_ps(d));
+        sp[m * r.row_sx + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)));
+      }
+    }
+  });
+  return r;
+}
+
+// Weight blocks b, b + 1 of a row as 64 unsigned bytes in the activations' element order
+// (`two` false: block b only, the upper 32 bytes zero; the activations there are zero too).
+template <bool kFourBit>
+inline __m512i weight_bytes(const uint8_t* row, int64_t b, bool two) {
+  if (kFourBit) {
+    // 16 bytes per block: low nibbles are elements 0..15, high ones 16..31.
+    const __m256i g = two ? _mm256_loadu_si256((const __m256i*)(row + b * 16))
+                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * 16)));
+    const __m512i dup = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                 _mm512_castsi256_si512(g));
+    const __m512i shifted = _mm512_srlv_epi64(dup, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
+  }
+  const __m512i q = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xFFFFFFFFULL, row + b * kQBlock);
+  return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// out[r, n] for kRows activation rows and output channels n0..n1.
+template <int kRows, bool kFourBit>
+void int8_rows(const Packed& p, const QuantizedRows& xq, int64_t r0, int64_t n0, int64_t n1,
+               float offset, float* corr, float* out) {
+  const int64_t nb = p.K / kQBlock;
+  const int8_t* q = xq.q.data_ptr<int8_t>() + r0 * xq.row_q;
+  const float* dx8 = xq.dx8.data_ptr<float>() + r0 * xq.row_dx8;
+  const float* sx = xq.sx.data_ptr<float>() + r0 * xq.row_sx;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.qweight + n * p.row_bytes;
+    const float* s = p.scales + n * nb;
+    const float* m = p.mins ? p.mins + n * nb : nullptr;
+    // Per block, what multiplies dx * sum(qx): the min less the bytes' offset times the scale.
+    for (int64_t b = 0; b < nb; ++b) corr[b] = (m ? m[b] : 0.0f) + offset * s[b];
+    __m512 acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+      const bool two = b + 1 < nb;
+      const __m512i w = weight_bytes<kFourBit>(row, b, two);
+      const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(s[b]), _mm256_set1_ps(two ? s[b + 1] : 0.0f), 1);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i xv = _mm512_loadu_si512(q + r * xq.row_q + b * kQBlock);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(dx8 + r * xq.row_dx8 + b * 8));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      }
+    }
+    for (int64_t b = 0; b < xq.row_sx; b += 16) {
+      const __m512 c = _mm512_loadu_ps(corr + b);
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = _mm512_fmadd_ps(c, _mm512_loadu_ps(sx + r * xq.row_sx + b), acc[r]);
+    }
+    for (int r = 0; r < kRows; ++r) out[(r0 + r) * p.N + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <bool kFourBit>
+void int8_kernel(const Packed& p, const QuantizedRows& xq, int64_t M, float offset, float* out) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.row_bytes));
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> corr(xq.row_sx, 0.0f);  // zero past the last block
+    // A few output channels at a time through every row tile: their weights stay in L1.
+    constexpr int64_t kChannels = 8;
+    for (int64_t c0 = n0; c0 < n1; c0 += kChannels) {
+      const int64_t c1 = std::min(n1, c0 + kChannels);
+      int64_t r = 0;
+      for (; r + 8 <= M; r += 8) int8_rows<8, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out);
+      switch (M - r) {
+        case 7: int8_rows<7, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        case 6: int8_rows<6, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        case 5: int8_rows<5, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        case 4: int8_rows<4, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        case 3: int8_rows<3, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        case 2: int8_rows<2, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        case 1: int8_rows<1, kFourBit>(p, xq, r, c0, c1, offset, corr.data(), out); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// x [M, K] @ w.T with x rounded to int8 per block of 32 (groups of 32 only): [M, N] in x's dtype.
+at::Tensor qmatmul_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t group, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-d [rows, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x's dtype ", x.scalar_type(), " is not supported (float32, bfloat16)");
+  TORCH_CHECK(group == kQBlock, "the int8 kernel takes groups of 32, got ", group);
+  const Packed p = unpack_args(qweight, scales, mins, x.size(1), group, bits);
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, p.N}, xf.options());
+  if (M > 0 && p.N > 0) {
+    const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, p.K);
+    // The unsigned bytes' offset: 8-bit q + 128; Q4_0's nibbles are q + 8 (no mins).
+    const float offset = bits == 8 ? -128.0f : (p.mins ? 0.0f : -8.0f);
+    if (bits == 4) int8_kernel<true>(p, xq, M, offset, out.data_ptr<float>());
+    else int8_kernel<false>(p, xq, M, offset, out.data_ptr<float>());
+  }
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
+#endif
+
 inline void store_as(const Vec& w, float* out) { w.store(out); }
 
 // Round to nearest even, as torch's float32 -> bfloat16 conversion does.
@@ -348,4 +506,8 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ dequantized(w).T for a packed GGUF weight");
   m.def("dequantize", &dequantize, "the weight of a packed GGUF weight, float32 or bfloat16");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("qmatmul_int8", &qmatmul_int8,
+        "x @ dequantized(w).T with x rounded to int8 per block of 32 (AVX512-VNNI)");
+#endif
 }
