@@ -161,6 +161,8 @@ def test_dense_weights_where_the_kernels_do_not_serve() -> None:
         return X86Platform.check_and_update_config(config).model.quantization
 
     assert resolved() is None  # auto: the loader keeps a quantized GGUF quantized
+    assert resolved(dtype="float32") == "none"  # the exact-comparison mode stays dense
+    assert resolved(dtype="float32", quantization="gguf") == "gguf"
     assert resolved(quantization="int4") == "int4"
     assert resolved(batch_invariant=True, dtype="bfloat16") == "none"
     assert resolved(buckets=(1, 2)) == "none"
