@@ -63,10 +63,19 @@ def test_forward_context_is_reset_after_an_exception() -> None:
 # -- the layer ------------------------------------------------------------------------------------
 
 
-def test_layer_defaults_to_the_cpu_backend() -> None:
+def test_layer_defaults_to_the_platforms_backend() -> None:
+    """Outside a config, the process's platform names the backend: the reference cpu backend on
+    the cpu platform (another, such as kiln-x86's, where an installed plugin was selected)."""
+    from kiln.platforms import current_platform
+
     layer = Attention(4, 8, 0.5, 2, prefix="x")
-    assert layer.backend is get_attn_backend() is CPUAttentionBackend
-    assert isinstance(layer.impl, CPUAttentionImpl)
+    backend = get_attn_backend()
+    assert layer.backend is backend
+    assert backend is resolve_attn_backend(current_platform.get_attn_backend_cls(None))
+    assert isinstance(layer.impl, backend.get_impl_cls())
+    if current_platform.name == "cpu":
+        assert backend is CPUAttentionBackend
+        assert isinstance(layer.impl, CPUAttentionImpl)
     assert "num_kv_heads=2" in repr(layer)
 
 
