@@ -76,8 +76,10 @@ def plugin_report(
 def run_check(
     name: str, platform: str, env: dict[str, str] | None = None, *args: str
 ) -> dict[str, Any]:
-    """Run one of ``kiln.testing.checks`` in a fresh process and return its JSON result."""
-    proc = run_python(["-m", "kiln.testing.checks", name, platform, *args], env)
+    """Run one of ``kiln.testing.checks`` in a fresh process and return its JSON result.
+
+    Up to 600 s: a platform may build its kernels on first use, on a busy 2-core CI machine."""
+    proc = run_python(["-m", "kiln.testing.checks", name, platform, *args], env, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"check {name!r} crashed (rc={proc.returncode}):\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
