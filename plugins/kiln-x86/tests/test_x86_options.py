@@ -27,6 +27,7 @@ def test_cpu_lists_parse_and_format():
         ({"reserved_cpus": -1}, "x86.reserved_cpus=-1 is invalid; allowed: >= 0"),
         ({"cpus": "0-x"}, "x86.cpus='0-x' is invalid"),
         ({"cpus": "0-1", "num_threads": 3}, "x86.num_threads=3 exceeds the 2 core(s)"),
+        ({"int8_activations": "yes"}, "x86.int8_activations='yes' is invalid"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_allowed(values, message):
@@ -80,7 +81,7 @@ def test_plugin_config_errors_reach_kiln_plugins():
     rc, report = plugin_report(plugin_config='{"x86": {"num_threads": 1, "cpus": "none"}}')
     assert rc == 0, report.get("error")
     fields = [row["field"] for row in report["plugin_config"]["x86"]]
-    assert fields == ["num_threads", "cpus", "reserved_cpus"]
+    assert fields == ["num_threads", "cpus", "reserved_cpus", "int8_activations"]
 
 
 CPU_SECTION_ALIAS = """
@@ -104,3 +105,26 @@ def test_the_reference_platforms_thread_flag_still_works(sections, expected):
     proc = run_python(["-c", CPU_SECTION_ALIAS.replace("{SECTIONS}", repr(sections))])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == expected.split()
+
+
+INT8_SWITCH = """
+from kiln.config import KilnConfig, PluginConfig
+from kiln.platforms import current_platform
+from kiln.plugins import init_process
+from kiln_x86 import quant
+config = init_process("engine", KilnConfig(plugins=PluginConfig(sections={SECTIONS})))
+current_platform.get_quant_config("gguf", config)
+print(quant.INT8_MAX_ROWS)
+"""
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [({}, "0"), ({"x86": {"int8_activations": True}}, "16"), ({"x86": {}}, "0")],
+)
+def test_int8_activations_are_opt_in(sections, expected):
+    # Off unless asked for: with them, a prefix-cached prompt's short prefill took the int8 path
+    # where the whole prompt did not, and the same chat question got another greedy answer.
+    proc = run_python(["-c", INT8_SWITCH.replace("{SECTIONS}", repr(sections))])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == expected
