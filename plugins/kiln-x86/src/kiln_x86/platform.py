@@ -97,7 +97,9 @@ class X86Platform(CpuPlatform):
         super().get_quant_config(method, config)  # validates method
         from kiln_x86 import quant
 
-        quant.INT8_MAX_ROWS = quant.INT8_ROWS if cls.options(config).int8_activations else 0
+        # No config when a model is loaded outside an engine (load_model): the section's defaults.
+        options = X86Options() if config is None else cls.options(config)
+        quant.INT8_MAX_ROWS = quant.INT8_ROWS if options.int8_activations else 0
         if method == "gguf":
             return GGUFQuantConfig(X86GGUFLinearMethod)
         if method == "int8":
