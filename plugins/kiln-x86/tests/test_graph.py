@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from kiln.config import KilnConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.model_executor.layers.attention import CommonAttentionMetadata, bind_kv_cache
-from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
 from kiln.model_executor.model_loader import load_model
 from kiln.worker.graph import padded_size
 
@@ -47,7 +46,8 @@ def tiny_model(tmp_path_factory):
     model, _ = load_model(str(folder), torch.float32, "cpu", load_format="safetensors")
     layers = model.attention_layers()
     first = next(iter(layers.values()))
-    shape = CPUAttentionBackend.get_kv_cache_shape(
+    # The layers' backend is the platform's (x86's paged attention where kiln-x86 is selected).
+    shape = first.backend.get_kv_cache_shape(
         NUM_BLOCKS, BLOCK_SIZE, first.num_kv_heads, first.head_size
     )
     gen = torch.Generator().manual_seed(1)
@@ -92,7 +92,8 @@ def _step(fn, tiny_model, num_reqs: int, num_tokens: int, prefill: bool = False)
             [1] * num_reqs, [CONTEXT] * num_reqs, tables, BLOCK_SIZE
         )
         first_position = CONTEXT
-    metadata = CPUAttentionBackend.get_metadata_builder_cls()(BLOCK_SIZE, "cpu").build(common)
+    backend = next(iter(model.attention_layers().values())).backend
+    metadata = backend.get_metadata_builder_cls()(BLOCK_SIZE, "cpu").build(common)
     context = ForwardContext(metadata, num_tokens, attention_layers=model.attention_layers())
     # Inputs made under inference_mode, as the runner's are (a graph guards on it).
     with torch.inference_mode():
