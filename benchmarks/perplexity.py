@@ -1,4 +1,4 @@
-"""Perplexity over a fixed text, for any engine config (``kiln.benchmarks.perplexity``).
+"""Perplexity over a fixed text, for any engine config (``kiln.bench.perplexity``).
 
 The text defaults to CPython's ``LICENSE.txt`` (shipped with every CPython, about 3,000 tokens);
 each config is a set of ``LLM`` keywords, run in its own process (a process selects its platform
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from kiln.benchmarks.perplexity import DEFAULT_TEXT, DEFAULT_WINDOW, perplexity, read_text
+from kiln.bench.perplexity import DEFAULT_TEXT, DEFAULT_WINDOW, perplexity, read_text
 
 DEFAULT_CONFIGS = [
     {"platform": "cpu", "dtype": "float32", "quantization": "none"},

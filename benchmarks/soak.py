@@ -48,7 +48,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kiln.benchmarks.prompts import make_prompts
+from kiln.bench.prompts import make_prompts
 
 MAX_REQUESTS = 100_000
 START_TIMEOUT_S = 300

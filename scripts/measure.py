@@ -7,7 +7,7 @@ How each is counted:
 - plugin machinery: the lines under ``plugins/``, ``patches/``, ``platforms/`` and ``testing/``.
 - import arrows: the distinct ordered pairs (unit A, unit B) where a module of A imports a module
   of B, A != B, counting imports inside functions too. A unit is a top-level package or module of
-  ``kiln`` (``kiln.core``, ``kiln.config``), except the modules ``UNITS_ON_THEIR_OWN`` names,
+  ``kiln`` (``kiln.scheduler``, ``kiln.config``), except the modules ``UNITS_ON_THEIR_OWN`` names,
   which are units of their own (a package whose parts sit in different layers).
 - upward arrow: an arrow into a higher layer of ``LAYERS``. Within one layer arrows are allowed.
 - ``duplicates src`` pairs: the count on the first line of ``duplicates --repo src``.
@@ -43,11 +43,11 @@ LAYERS: list[list[str]] = [
     # Discovery, selection, lifecycle, introspection of plugins.
     ["plugins"],
     # Scheduling and the KV cache: token ids only.
-    ["core"],
+    ["scheduler"],
     ["worker", "executor"],
     # The front end (input and output processing) and the engine core's loop and process.
     ["engine"],
-    ["entrypoints", "benchmarks", "testing"],
+    ["entrypoints", "bench", "testing"],
 ]  # fmt: skip
 """Kiln's layers, lowest first: a module may import its own layer and the layers below it."""
 

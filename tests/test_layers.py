@@ -46,11 +46,13 @@ def test_every_unit_has_a_layer():
 
 def test_an_upward_import_is_found(tmp_path):
     package = tmp_path / "kiln"
-    (package / "core").mkdir(parents=True)
+    (package / "scheduler").mkdir(parents=True)
     (package / "engine").mkdir()
-    (package / "core" / "request.py").write_text("def f():\n    from kiln.engine import x\n")
-    (package / "engine" / "__init__.py").write_text("from kiln.core.request import f\n")
-    assert measure.upward_arrows(package) == {("core", "engine"): ["kiln/core/request.py:2"]}
+    (package / "scheduler" / "request.py").write_text("def f():\n    from kiln.engine import x\n")
+    (package / "engine" / "__init__.py").write_text("from kiln.scheduler.request import f\n")
+    assert measure.upward_arrows(package) == {
+        ("scheduler", "engine"): ["kiln/scheduler/request.py:2"]
+    }
 
 
 def test_a_unit_on_its_own_sits_in_its_own_layer():

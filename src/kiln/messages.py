@@ -1,14 +1,20 @@
-"""Messages between the front end (LLM, AsyncLLM), the engine core and the worker, in any process.
+"""Messages between the front end (LLM, AsyncLLM), the engine core, the scheduler and the worker.
 
-They are msgspec structs so that they cross a ZMQ socket as msgpack cheaply; the same objects are
-used in-process. They carry token ids, never text: tokenization happens in the front end. This
-module sits at the bottom of Kiln's layers (``docs/architecture.md``), so the engine core
-(``kiln.core``), the worker and the front end (``kiln.engine``) all import it without going up.
+The front end <-> engine core messages are msgspec structs so that they cross a ZMQ socket as
+msgpack cheaply; the same objects are used in-process. They carry token ids, never text:
+tokenization happens in the front end. The scheduler <-> model runner messages
+(``SchedulerOutput``, ``ModelRunnerOutput``) are plain dataclasses (no tensors, no callables) so
+the scheduler can be tested with hand-made runner outputs. New (or resumed) requests carry their
+full data; requests already running carry only what changed (new blocks, computed-token counts).
+
+This module sits at the bottom of Kiln's layers (``docs/architecture.md``), so the scheduler
+(``kiln.scheduler``), the worker and the front end (``kiln.engine``) all import it without going up.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -84,3 +90,55 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 class EngineDeadError(RuntimeError):
     """The engine core process died or failed; no request can complete."""
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: new, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens already generated (non-empty only when resumed after preemption)."""
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the blocks (prefix-cache hits)."""
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests the runner already holds: only what changed, in parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended to each request's block table this step (often empty)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """request id -> tokens to compute this step."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    """Requests finished or preempted since the last step: the runner drops their state."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    """Per request in ``req_ids`` order: the sampled token, or [] for a partial prefill chunk."""
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """Per request that asked for logprobs and sampled this step: the logprobs of its sampled
+    token (one row each). Complete: the scheduler routes them as they are."""
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    """Per request that asked for prompt logprobs and whose prefill finished this step (the step
+    that samples its first token): all ``P - 1`` of them, never in chunks."""
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -1,7 +1,7 @@
 """``kiln chat``: the loop's commands and history on a scripted back end, and a streamed
 conversation with the real default model loaded in-process.
 
-(``tests/benchmarks/test_bench_serve_live.py`` pipes stdin into ``kiln chat --url`` against a real
+(``tests/bench/test_bench_serve_live.py`` pipes stdin into ``kiln chat --url`` against a real
 ``kiln serve``.)
 """
 

@@ -18,9 +18,9 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import KilnConfig, SchedulerConfig
-from kiln.core.kv_cache import NULL_BLOCK_ID
 from kiln.engine.arg_utils import EngineArgs
 from kiln.forward_context import get_forward_context
+from kiln.scheduler.kv_cache import NULL_BLOCK_ID
 from kiln.worker.graph import EagerGraphWrapper, graph_capture_sizes, padded_size
 
 _FRESH_PROCESS = "KILN_TEST_GRAPH_BUCKETS_FRESH_PROCESS"

@@ -121,7 +121,7 @@ def test_int_methods_agree_with_the_reference(
 _PERPLEXITY = """
 import json, sys
 from kiln import LLM
-from kiln.benchmarks.perplexity import perplexity, read_text
+from kiln.bench.perplexity import perplexity, read_text
 llm = LLM(kv_cache_memory=0.25, **json.loads(sys.argv[1]))
 from kiln.platforms import current_platform
 ppl, count = perplexity(llm, llm.get_tokenizer().encode(read_text()))

@@ -12,10 +12,10 @@ import logging
 import time
 
 from kiln.config import KilnConfig
-from kiln.core.request import Request, RequestStatus
 from kiln.executor import Executor
 from kiln.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kiln.plugins.interfaces import resolve_class, resolve_named_classes
+from kiln.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kiln.benchmarks import serve as bench_serve
+    from kiln.bench import serve as bench_serve
 
     bench = sub.add_parser("bench", help="benchmark a running server")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from kiln.config import KilnConfig
-from kiln.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kiln.config import KilnConfig
-from kiln.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kiln.executor import Executor
+from kiln.messages import ModelRunnerOutput, SchedulerOutput
 from kiln.plugins.interfaces import resolve_class
 
 

@@ -206,7 +206,7 @@ class Platform:
 
     @classmethod
     def get_scheduler_cls(cls) -> str:
-        return "kiln.core.sched.scheduler.Scheduler"
+        return "kiln.scheduler.scheduler.Scheduler"
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:

@@ -43,9 +43,7 @@ CLASS_FIELDS: dict[str, NamedClass] = {
     "model_runner_cls": NamedClass(
         "kiln.worker.worker_base.ModelRunnerBase", "get_model_runner_cls"
     ),
-    "scheduler_cls": NamedClass(
-        "kiln.core.sched.interface.SchedulerInterface", "get_scheduler_cls"
-    ),
+    "scheduler_cls": NamedClass("kiln.scheduler.interface.SchedulerInterface", "get_scheduler_cls"),
     "attention_backend": NamedClass(
         "kiln.model_executor.layers.attention.backend.AttentionBackend",
         "get_attn_backend_cls",

@@ -12,8 +12,8 @@ Contract between the runner (``kiln.worker.model_runner``) and a wrapper:
 - ``capture(sizes)`` once at start-up, after the KV cache is bound, with the buckets in ascending
   order (``graph_capture_sizes``). Then the runner calls the wrapper once per bucket, largest
   first, with a dummy decode step of that many requests whose keys and values go to the reserved
-  null block (``kiln.core.kv_cache.NULL_BLOCK_ID``): a wrapper that records or compiles on first
-  call does it there, so no step while serving pays for it.
+  null block (``kiln.scheduler.kv_cache.NULL_BLOCK_ID``): a wrapper that records or compiles on
+  first call does it there, so no step while serving pays for it.
 - ``wrapper(input_ids, positions)`` only for decode steps (one new token per request) padded to a
   bucket: ``T`` is a bucket, the first ``num_actual_tokens`` rows (the attention metadata's) are
   the requests, the rest are padding (token 0 at position 0). Padding rows have no KV-cache slot:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.core.sched.output import NewRequestData
+from kiln.messages import NewRequestData
 from kiln.sampling.metadata import SamplingMetadata, make_generator
 from kiln.sampling_params import SamplingParams
 

@@ -27,14 +27,13 @@ import numpy as np
 import torch
 
 from kiln.config import KilnConfig, set_current_config
-from kiln.core.kv_cache import NULL_BLOCK_ID
-from kiln.core.sched.output import (
+from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.messages import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    LogprobsLists,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from kiln.forward_context import ForwardContext, set_forward_context
-from kiln.messages import LogprobsLists
 from kiln.model_executor.layers.attention import (
     CommonAttentionMetadata,
     bind_kv_cache,
@@ -43,6 +42,7 @@ from kiln.model_executor.layers.attention import (
 from kiln.model_executor.loader import resolve_model_ref
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
 from kiln.sampling.sampler import Sampler, compute_prompt_logprobs
+from kiln.scheduler.kv_cache import NULL_BLOCK_ID
 from kiln.utils import resolve_obj_by_qualname
 from kiln.worker.graph import graph_capture_sizes, padded_size
 from kiln.worker.input_batch import InputBatch

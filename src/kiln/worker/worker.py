@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kiln.config import KilnConfig
-from kiln.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kiln.messages import ModelRunnerOutput, SchedulerOutput
 from kiln.plugins.interfaces import resolve_class
 from kiln.worker.worker_base import WorkerBase
 

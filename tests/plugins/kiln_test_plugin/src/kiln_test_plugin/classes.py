@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from kiln.config import KilnConfig
-from kiln.core.sched.scheduler import Scheduler
 from kiln.distributed.communicator import TorchDistCommunicator
 from kiln.model_executor.layers.attention import CommonAttentionMetadata
 from kiln.model_executor.layers.attention.backends.cpu import (
@@ -18,6 +17,7 @@ from kiln.model_executor.layers.attention.backends.cpu import (
     CPUAttentionMetadataBuilder,
     CPUPrefill,
 )
+from kiln.scheduler.scheduler import Scheduler
 from kiln.worker.graph import EagerGraphWrapper
 from kiln.worker.model_runner import ModelRunner
 from kiln.worker.worker import Worker

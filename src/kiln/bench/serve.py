@@ -3,7 +3,7 @@
 It streams ``num_prompts`` requests of about ``input_len`` prompt tokens and exactly ``output_len``
 output tokens (``ignore_eos``, greedy unless ``--temperature`` says otherwise) at most
 ``max_concurrency`` at a time, then reports throughput and TTFT / TPOT / ITL / E2EL as
-``vllm bench serve`` does (see ``kiln.benchmarks.metrics``). Prompt lengths are calibrated with the
+``vllm bench serve`` does (see ``kiln.bench.metrics``). Prompt lengths are calibrated with the
 server's ``POST /tokenize`` when it has one.
 
 Bounds: it talks only to ``--base-url`` (default: loopback), sends a fixed number of requests, and
@@ -25,13 +25,13 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from kiln.benchmarks.metrics import (
+from kiln.bench.metrics import (
     BenchmarkMetrics,
     RequestResult,
     calculate_metrics,
     format_metrics,
 )
-from kiln.benchmarks.prompts import CountTokens, Prompt, make_prompts
+from kiln.bench.prompts import CountTokens, Prompt, make_prompts
 
 if TYPE_CHECKING:
     import httpx

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kiln.core.request import Request
-from kiln.core.sched.queue import RequestQueue
 from kiln.sampling_params import SamplingParams
+from kiln.scheduler.queue import RequestQueue
+from kiln.scheduler.request import Request
 
 
 def _req(request_id: str) -> Request:

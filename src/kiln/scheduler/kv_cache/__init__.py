@@ -4,9 +4,9 @@ Everything here is plain Python over block ids; the tensors the ids index belong
 runner.
 """
 
-from kiln.core.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
-from kiln.core.kv_cache.manager import KVCacheManager, PrefixCacheStats, PrefixMatch
-from kiln.core.kv_cache.prefix_hash import hash_block_tokens, update_block_hashes
+from kiln.scheduler.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
+from kiln.scheduler.kv_cache.manager import KVCacheManager, PrefixCacheStats, PrefixMatch
+from kiln.scheduler.kv_cache.prefix_hash import hash_block_tokens, update_block_hashes
 
 __all__ = [
     "NULL_BLOCK_ID",

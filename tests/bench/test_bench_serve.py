@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from kiln.benchmarks.serve import BenchConfig, request_body, send_request
+from kiln.bench.serve import BenchConfig, request_body, send_request
 
 
 def sse(*events: object) -> bytes:

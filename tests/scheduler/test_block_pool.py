@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.core.kv_cache import NULL_BLOCK_ID, BlockPool
+from kiln.scheduler.kv_cache import NULL_BLOCK_ID, BlockPool
 
 
 def test_null_block_is_never_handed_out():

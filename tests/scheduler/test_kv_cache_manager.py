@@ -1,8 +1,8 @@
 """KVCacheManager: prefix hashing, hits, allocation, freeing order, stats (no tensors)."""
 
-from kiln.core.kv_cache import KVCacheManager, hash_block_tokens, update_block_hashes
-from kiln.core.request import Request
 from kiln.sampling_params import SamplingParams
+from kiln.scheduler.kv_cache import KVCacheManager, hash_block_tokens, update_block_hashes
+from kiln.scheduler.request import Request
 
 BLOCK_SIZE = 4
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from kiln.benchmarks.prompts import WORDS, make_prompts
+from kiln.bench.prompts import WORDS, make_prompts
 
 
 def test_without_a_counter_one_word_per_token():

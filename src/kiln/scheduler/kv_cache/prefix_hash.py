@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from kiln.core.request import Request
+from kiln.scheduler.request import Request
 
 
 def new_root_hash() -> int:

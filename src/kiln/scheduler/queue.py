@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from kiln.core.request import Request
+from kiln.scheduler.request import Request
 
 SchedulingKey = tuple[int, float, int]
 """``(priority, arrival_time, seq)``: lower runs first; ``seq`` (order of ``add_request``) breaks

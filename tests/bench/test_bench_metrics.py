@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kiln.benchmarks.metrics import (
+from kiln.bench.metrics import (
     RequestResult,
     calculate_metrics,
     format_metrics,

@@ -13,12 +13,18 @@ from collections.abc import Callable
 import pytest
 
 from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
-from kiln.core.kv_cache import NULL_BLOCK_ID
-from kiln.core.request import Request, RequestStatus
-from kiln.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
-from kiln.core.sched.scheduler import Scheduler
-from kiln.messages import EngineCoreOutput, FinishReason, LogprobsLists
+from kiln.messages import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    EngineCoreOutput,
+    FinishReason,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from kiln.sampling_params import SamplingParams
+from kiln.scheduler.kv_cache import NULL_BLOCK_ID
+from kiln.scheduler.request import Request, RequestStatus
+from kiln.scheduler.scheduler import Scheduler
 
 EOS = 2
 BLOCK_SIZE = 4
@@ -534,7 +540,7 @@ def test_stats():
 
 
 def test_scheduler_matches_its_interface():
-    from kiln.core.sched.interface import SchedulerInterface
     from kiln.plugins.interfaces import check_implements
+    from kiln.scheduler.interface import SchedulerInterface
 
     check_implements(Scheduler, SchedulerInterface)

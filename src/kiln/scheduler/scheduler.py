@@ -37,22 +37,20 @@ from collections.abc import Iterable
 from itertools import count
 
 from kiln.config import KilnConfig
-from kiln.core.kv_cache.manager import KVCacheManager
-from kiln.core.request import Request, RequestStatus
-from kiln.core.sched.interface import SchedulerInterface
-from kiln.core.sched.output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-from kiln.core.sched.queue import RequestQueue, SchedulingKey
 from kiln.messages import (
+    CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
     SchedulerStats,
 )
+from kiln.scheduler.interface import SchedulerInterface
+from kiln.scheduler.kv_cache.manager import KVCacheManager
+from kiln.scheduler.queue import RequestQueue, SchedulingKey
+from kiln.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

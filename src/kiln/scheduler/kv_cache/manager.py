@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kiln.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from kiln.core.kv_cache.prefix_hash import new_root_hash, update_block_hashes
-from kiln.core.request import Request
+from kiln.scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kiln.scheduler.kv_cache.prefix_hash import new_root_hash, update_block_hashes
+from kiln.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
