@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from kiln_x86.graph import CompiledGraphWrapper
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kiln.config import KilnConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.model_executor.layers.attention import CommonAttentionMetadata, bind_kv_cache
 from kiln.model_executor.model_loader import load_model
+from kiln.testing.models import save_tiny_llama
 from kiln.worker.graph import padded_size
 
 BUCKETS = (1, 2, 4)
@@ -29,20 +29,12 @@ CONTEXT = 9  # tokens cached per request before the decode step: three blocks, t
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
+    folder = save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_llama"),
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
         initializer_range=0.1,
-        tie_word_embeddings=False,
     )
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     model, _ = load_model(str(folder), torch.float32, "cpu", load_format="safetensors")
     layers = model.attention_layers()
     first = next(iter(layers.values()))

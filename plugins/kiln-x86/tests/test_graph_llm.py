@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.testing import run_python
+from kiln.testing.models import save_tiny_llama
 from kiln.tokenizer import load_tokenizer
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
@@ -26,22 +25,15 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 def tiny_folder(tmp_path_factory) -> str:
     model_ref = resolve_model_ref(default_model_path())
     tokenizer = load_tokenizer(get_loader(model_ref).tokenizer_source(model_ref)).hf_tokenizer
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny_llama_tok"),
+        tokenizer=tokenizer,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.2,  # peaked logits: greedy ties are unlikely
         tie_word_embeddings=True,
     )
-    folder = tmp_path_factory.mktemp("tiny_llama_tok")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 # Run in a fresh process per platform: a process selects its platform once.

@@ -22,7 +22,6 @@ import torch
 from kiln_x86 import quant
 from kiln_x86.linear_methods import X86Int4LinearMethod, X86Int8LinearMethod
 from kiln_x86.platform import X86Platform
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kiln.model_executor.layers.linear import LinearBase
 from kiln.model_executor.layers.quantization import (
@@ -32,6 +31,7 @@ from kiln.model_executor.layers.quantization import (
     model_weight_bytes,
 )
 from kiln.model_executor.model_loader import load_model
+from kiln.testing.models import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +79,7 @@ def test_gguf_layers_agree_with_the_reference(reference_and_x86, num_tokens, mon
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return str(folder)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.mark.parametrize(

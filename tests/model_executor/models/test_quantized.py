@@ -23,7 +23,6 @@ import sys
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kiln.config import KilnConfig, ModelConfig
 from kiln.engine.arg_utils import EngineArgs
@@ -43,6 +42,7 @@ from kiln.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from kiln.model_executor.loader import get_loader
 from kiln.model_executor.model_loader import load_model, resolve_quant_config
 from kiln.platforms.cpu import CpuPlatform
+from kiln.testing.models import save_tiny_llama
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [42, 9, 1200, 33, 7, 7, 7, 88, 2002]]
 
@@ -126,21 +126,7 @@ print(json.dumps({{"delta": rss() - before}}))
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.05,
-        tie_word_embeddings=False,
-    )
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return str(folder)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), initializer_range=0.05)
 
 
 @pytest.mark.parametrize(

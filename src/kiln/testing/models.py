@@ -1,0 +1,44 @@
+"""Small random models on disk, for tests that need an architecture or a size the default model
+does not have (plugin test suites use them too)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+
+def save_tiny_llama(
+    folder: str | pathlib.Path,
+    *,
+    seed: int = 0,
+    tokenizer: Any = None,
+    **config: Any,
+) -> str:
+    """Write a random float32 Llama (safetensors and ``config.json``) to ``folder``; return it.
+
+    The defaults are a 2-layer model with 4 query heads over 2 KV heads, hidden size 128 and a
+    256-token vocabulary. ``config`` overrides any ``transformers.LlamaConfig`` field
+    (``initializer_range=0.2`` gives peaked logits, so greedy ties are unlikely). With a
+    ``tokenizer`` (a Hugging Face tokenizer), the vocabulary is the tokenizer's and the tokenizer is
+    saved next to the weights, so the folder serves text.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokenizer) if tokenizer is not None else 256,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    fields.update(config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=torch.float32)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
