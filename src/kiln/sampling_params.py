@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,122 @@ _MAX_PENALTY = 2.0
 _MAX_LOGIT_BIAS = 100.0
 MAX_STOP_CHARS = 2**16
 """The most characters all of a request's stop strings may hold together."""
+
+
+MAX_STRUCTURED_OUTPUT_CHARS = 2**17
+"""The most characters a structured-output spec (a schema as JSON text, a regex, a grammar, or
+all choices together) may hold: bigger specs are refused before compiling (hostile input)."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match, enforced while sampling (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` is set (vLLM's
+    ``structural_tag`` is not supported). This class checks the form only (types, sizes, exactly
+    one kind); whether a schema, regex or grammar compiles is checked by
+    ``kiln.structured_output`` when the request is admitted, with a ``ValueError`` naming the
+    field.
+
+    Raises:
+        ValueError: from the constructor, when no kind or several are set, a field has the wrong
+            type or is empty, or the spec is larger than ``MAX_STRUCTURED_OUTPUT_CHARS``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (a dict, or its JSON text) the output must validate against."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A grammar in EBNF (GBNF / Lark form, as the backend reads it) the output must match."""
+    json_object: bool | None = None
+    """True: the output is any JSON object (``response_format`` ``{"type": "json_object"}``)."""
+    disable_any_whitespace: bool = False
+    """JSON without whitespace between tokens (no newlines or indentation)."""
+    disable_additional_properties: bool = False
+    """Treat JSON objects as ``"additionalProperties": false`` where the schema does not say."""
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = (
+                list(self.choice) if isinstance(self.choice, (list, tuple)) else self.choice
+            )
+        if self.json_object is False:
+            self.json_object = None
+        kinds = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
+                f"{', '.join(kinds) if kinds else 'none'}"
+            )
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise _invalid("structured_outputs.json", "a JSON schema", self.json) from e
+            if not isinstance(value, dict):
+                raise _invalid("structured_outputs.json", "a JSON schema (object)", self.json)
+            num_chars = len(json.dumps(value))
+        elif kind == "choice":
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(c, str) and c for c in value)
+            ):
+                raise _invalid("structured_outputs.choice", "a list of non-empty strings", value)
+            num_chars = sum(len(c) for c in value)
+        elif kind == "json_object":
+            if value is not True:
+                raise _invalid("structured_outputs.json_object", "true", value)
+            num_chars = 0
+        else:
+            if not isinstance(value, str) or not value:
+                raise _invalid(f"structured_outputs.{kind}", "a non-empty string", value)
+            num_chars = len(value)
+        if num_chars > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind} must hold at most {MAX_STRUCTURED_OUTPUT_CHARS} "
+                f"characters, got {num_chars}"
+            )
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(f"structured_outputs.{name}", "a boolean", getattr(self, name))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a schema as canonical JSON): with ``kind``, the cache key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(value)
+        return "" if self.kind == "json_object" else value
+
+    @property
+    def key(self) -> tuple[str, str, bool, bool]:
+        """What identifies the compiled grammar: ``(kind, spec, *json options)``."""
+        return (
+            self.kind,
+            self.spec,
+            self.disable_any_whitespace,
+            self.disable_additional_properties,
+        )
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The kinds of constraint ``StructuredOutputsParams`` holds, one per request."""
 
 
 class SamplingType(enum.IntEnum):
@@ -124,6 +241,9 @@ class SamplingParams:
     """Token id -> value added to its logit before sampling, in [-100, 100]; keys may be strings."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each output of the request carries."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a dict is taken as the
+    ``StructuredOutputsParams`` fields). EOS is allowed only where the constraint is complete."""
 
     # Stop token ids plus every EOS id (even with ignore_eos): what min_tokens masks. Filled from
     # stop_token_ids here and from the model in update_from_generation_config.
@@ -143,6 +263,23 @@ class SamplingParams:
             self.logit_bias = self._parse_logit_bias(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(
+                StructuredOutputsParams.__dataclass_fields__
+            )
+            if unknown:
+                raise _invalid(
+                    "structured_outputs keys",
+                    f"in {sorted(StructuredOutputsParams.__dataclass_fields__)}",
+                    sorted(unknown),
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise _invalid(
+                "structured_outputs",
+                "None, a StructuredOutputsParams or a dict",
+                self.structured_outputs,
+            )
         self._verify_args()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters change nothing, so turn them off (the batch may skip them).
