@@ -18,7 +18,7 @@ from kiln.config import KilnConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.model_executor.layers.attention import CommonAttentionMetadata, bind_kv_cache
 from kiln.model_executor.model_loader import load_model
-from kiln.testing.models import save_tiny_llama
+from kiln.testing.models import save_tiny_model
 from kiln.worker.graph import padded_size
 
 BUCKETS = (1, 2, 4)
@@ -29,7 +29,7 @@ CONTEXT = 9  # tokens cached per request before the decode step: three blocks, t
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    folder = save_tiny_llama(
+    folder = save_tiny_model(
         tmp_path_factory.mktemp("tiny_llama"),
         hidden_size=64,
         intermediate_size=96,

@@ -15,7 +15,7 @@ import pytest
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.testing import run_python
-from kiln.testing.models import save_tiny_llama
+from kiln.testing.models import save_tiny_model
 from kiln.tokenizer import load_tokenizer
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 def tiny_folder(tmp_path_factory) -> str:
     model_ref = resolve_model_ref(default_model_path())
     tokenizer = load_tokenizer(get_loader(model_ref).tokenizer_source(model_ref)).hf_tokenizer
-    return save_tiny_llama(
+    return save_tiny_model(
         tmp_path_factory.mktemp("tiny_llama_tok"),
         tokenizer=tokenizer,
         hidden_size=64,

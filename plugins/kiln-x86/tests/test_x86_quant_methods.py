@@ -31,7 +31,7 @@ from kiln.model_executor.layers.quantization import (
     model_weight_bytes,
 )
 from kiln.model_executor.model_loader import load_model
-from kiln.testing.models import save_tiny_llama
+from kiln.testing.models import save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_gguf_layers_agree_with_the_reference(reference_and_x86, num_tokens, mon
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.mark.parametrize(

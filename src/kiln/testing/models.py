@@ -7,23 +7,25 @@ import pathlib
 from typing import Any
 
 
-def save_tiny_llama(
+def save_tiny_model(
     folder: str | pathlib.Path,
+    model_type: str = "llama",
     *,
     seed: int = 0,
     tokenizer: Any = None,
     **config: Any,
 ) -> str:
-    """Write a random float32 Llama (safetensors and ``config.json``) to ``folder``; return it.
+    """Write a random float32 model (safetensors and ``config.json``) to ``folder``; return it.
 
+    ``model_type`` is a Hugging Face model type Kiln serves (``llama``, ``qwen2``, ``qwen3``, ...).
     The defaults are a 2-layer model with 4 query heads over 2 KV heads, hidden size 128 and a
-    256-token vocabulary. ``config`` overrides any ``transformers.LlamaConfig`` field
-    (``initializer_range=0.2`` gives peaked logits, so greedy ties are unlikely). With a
+    256-token vocabulary. ``config`` overrides any field of the model type's ``transformers``
+    config (``initializer_range=0.2`` gives peaked logits, so greedy ties are unlikely). With a
     ``tokenizer`` (a Hugging Face tokenizer), the vocabulary is the tokenizer's and the tokenizer is
     saved next to the weights, so the folder serves text.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     fields: dict[str, Any] = dict(
         vocab_size=len(tokenizer) if tokenizer is not None else 256,
@@ -37,7 +39,8 @@ def save_tiny_llama(
     )
     fields.update(config)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=torch.float32)
+    hf_config = AutoConfig.for_model(model_type, **fields)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

@@ -5,25 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
+from kiln.testing.models import save_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
     folder = tmp_path_factory.mktemp("tiny_qwen2")
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    save_tiny_model(folder, "qwen2", vocab_size=64, hidden_size=32, intermediate_size=48)
     return folder
 
 

@@ -42,7 +42,7 @@ from kiln.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from kiln.model_executor.loader import get_loader
 from kiln.model_executor.model_loader import load_model, resolve_quant_config
 from kiln.platforms.cpu import CpuPlatform
-from kiln.testing.models import save_tiny_llama
+from kiln.testing.models import save_tiny_model
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [42, 9, 1200, 33, 7, 7, 7, 88, 2002]]
 
@@ -126,7 +126,7 @@ print(json.dumps({{"delta": rss() - before}}))
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), initializer_range=0.05)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), initializer_range=0.05)
 
 
 @pytest.mark.parametrize(
