@@ -31,3 +31,15 @@ def test_a_stale_torch_build_lock_does_not_block_loading(tmp_path) -> None:
     )
     assert done.stdout.strip() == "True", done.stderr[-2000:]
     assert not (tmp_path / name / "lock").exists()
+
+
+def test_a_changed_shared_header_names_a_new_build(tmp_path) -> None:
+    """The kernels include ``csrc/*.h``; a build cached under a name that hashed only the .cpp
+    would keep serving the old header's code after an upgrade."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "shared.h"\n')
+    header = tmp_path / "shared.h"
+    header.write_text("inline int f() { return 1; }\n")
+    before = kernels.extension_name("k", source)
+    header.write_text("inline int f() { return 2; }\n")
+    assert kernels.extension_name("k", source) != before

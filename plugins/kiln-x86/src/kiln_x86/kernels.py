@@ -69,9 +69,12 @@ def cache_dir() -> Path:
 def extension_name(
     stem: str = "kiln_x86_ops", source: Path = SOURCE, cflags: list[str] = CFLAGS
 ) -> str:
-    """``<stem>_<isa>_<hash of source and flags>``: one build per CPU kind and source."""
+    """``<stem>_<isa>_<hash of source, headers and flags>``: one build per CPU kind and source
+    (a change to a shared header in ``csrc/`` rebuilds every kernel)."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:10]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    data = source.read_bytes() + headers + " ".join(cflags).encode()
+    digest = hashlib.sha256(data).hexdigest()[:10]
     return f"{stem}_{isa}_{digest}"
 
 

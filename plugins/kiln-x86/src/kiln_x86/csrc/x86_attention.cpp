@@ -29,6 +29,8 @@
 #include <memory>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int64_t kQueryTile = 64;     // query tokens per prefill item
@@ -36,31 +38,8 @@ constexpr int64_t kChunkKeys = 256;    // keys per product in a prefill item
 constexpr int64_t kSplitTokens = 256;  // context per item when a decode is split
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float to_float(float v) { return v; }
-
-inline float to_float(c10::BFloat16 v) {
-  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-template <typename T>
-inline T round_to(float v);
-
-template <>
-inline float round_to<float>(float v) {
-  return v;
-}
-
-// Round to nearest even, as c10 does (NaN kept a quiet NaN).
-template <>
-inline c10::BFloat16 round_to<c10::BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  const uint32_t rounded = (v != v) ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
-  return c10::BFloat16(static_cast<uint16_t>(rounded >> 16), c10::BFloat16::from_bits());
-}
+using kiln_x86::round_to;
+using kiln_x86::to_float;
 
 // exp(x) for x <= 0 (scores minus their running max), branch-free so that loops of it vectorize:
 // x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error below

@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 // Rows per parallel task: below this much work (elements) a call stays on one thread.
@@ -28,32 +30,8 @@ int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
 }
 
-// Conversions written branch-free so that the loops below vectorize; the bf16 rounding is
-// c10's (round to nearest even, NaN kept a quiet NaN).
-template <typename T>
-inline T round_to(float v);
-
-template <>
-inline float round_to<float>(float v) {
-  return v;
-}
-
-template <>
-inline c10::BFloat16 round_to<c10::BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  const uint32_t rounded = (v != v) ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
-  return c10::BFloat16(static_cast<uint16_t>(rounded >> 16), c10::BFloat16::from_bits());
-}
-
-inline float to_float(float v) { return v; }
-
-inline float to_float(c10::BFloat16 v) {
-  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using kiln_x86::round_to;
+using kiln_x86::to_float;
 
 // Runs fn(tag) with a value of the kernel's element type: float32 and bfloat16 only.
 template <typename Fn>
