@@ -1,8 +1,8 @@
 """Executors: how the engine core reaches its workers.
 
 ``Executor`` is the seam: the engine core calls typed methods on it, never a worker directly.
-``UniProcExecutor`` runs one worker in the engine core's own process. The multiprocess and Ray
-executors (one process per rank, many machines) come with tensor parallelism.
+``UniProcExecutor`` runs one worker in the engine core's own process; ``MultiprocExecutor`` one
+process per tensor-parallel rank on this machine. The Ray executor (many machines) is next.
 """
 
 from __future__ import annotations
@@ -21,16 +21,25 @@ class Executor(ABC):
     def get_class(config: KilnConfig) -> type[Executor]:
         """The executor class for ``parallel.distributed_executor_backend``.
 
+        "uni" with ``tensor_parallel_size > 1`` means "mp" (uni is the default backend; one
+        process cannot hold several ranks).
+
         Raises:
-            NotImplementedError: "mp" or "ray" (not built yet).
+            NotImplementedError: "ray" (not built yet).
         """
         backend = config.parallel.distributed_executor_backend
+        if backend == "uni" and config.parallel.tensor_parallel_size > 1:
+            backend = "mp"
         if backend == "uni":
             from kiln.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
+        if backend == "mp":
+            from kiln.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
         raise NotImplementedError(
-            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'uni'"
+            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'uni' or 'mp'"
         )
 
     @abstractmethod

@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 from kiln.config import KilnConfig
+from kiln.distributed.parallel_state import (
+    SINGLE_RANK,
+    destroy_distributed,
+    init_distributed,
+    set_tp_group,
+)
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
 from kiln.plugins.interfaces import resolve_class
 from kiln.worker.worker_base import WorkerBase
@@ -51,21 +57,27 @@ class Worker(WorkerBase):
         self.platform = current_platform
         self.device = current_platform.get_device(local_rank)
         self.model_runner: Any = None
+        self.tp_group = SINGLE_RANK
 
     def init_device(self) -> None:
         self.platform.init_worker_process(self.config)
         self.platform.set_device(self.device)
         self.platform.seed_everything(self.config.model.seed)
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise NotImplementedError(
-                "tensor_parallel_size > 1 needs the multiprocess executor, which is not built yet"
-            )
+        # The platform's communicator, instantiated for this rank (single-rank: none).
+        self.tp_group = init_distributed(
+            self.config,
+            self.rank,
+            self.distributed_init_method,
+            self.device,
+            self.platform.dist_backend,
+        )
         runner_cls = resolve_class("model_runner_cls", self.config.device.model_runner_cls)
         self.model_runner = runner_cls(self.config, self.device)
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        with self.platform.inference_mode():
+        # Parallel layers take this rank's slice of every weight from the group.
+        with self.platform.inference_mode(), set_tp_group(self.tp_group):
             self.model_runner.load_model()
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
@@ -97,6 +109,7 @@ class Worker(WorkerBase):
     def shutdown(self) -> None:
         self.model_runner = None
         torch.set_grad_enabled(True)
+        destroy_distributed()
 
     def get_kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.get_kv_cache_bytes_per_block()

@@ -16,9 +16,16 @@ Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``. 
 (``0`` = gate, ``1`` = up). Fusing turns three (or two) matmuls into one, which is what the hot
 path wants.
 
-Tensor parallelism: the ``tp_size`` arguments are the seam where sharding will go (column-parallel
-layers split the output dimension, row-parallel ones the input dimension); only ``tp_size=1`` is
-implemented, and any other value raises ``NotImplementedError``.
+Tensor parallelism: a layer built inside ``kiln.distributed.parallel_state.set_tp_group`` keeps
+that group's rank and size. Column-parallel layers hold ``1 / tp_size`` of each fused output part
+(rank ``r`` the ``r``-th slice; key and value heads are replicated over ranks when there are fewer
+of them than ranks) and return their slice; row-parallel layers hold the matching slice of the
+input dimension and all-reduce their partial sums through the platform's communicator (rank 0
+holds the bias, the other ranks zeros). The collectives run outside the dispatched op, so a
+provider's ``linear`` implementation computes only its rank's product. Weight loaders take the
+whole checkpoint tensor and copy this rank's slice. Quantized methods are not sharded: with more
+than one rank a ``quant_config`` that gives a layer a method is refused (``ValueError``; use
+dense weights, ``--quantization none``).
 
 Every layer here is the custom op ``"linear"``: a provider may register a faster implementation
 for all of them at once. A layer built under a config with ``model.batch_invariant`` has
@@ -37,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.distributed.parallel_state import TensorParallelGroup, divide, get_tp_group
 from kiln.model_executor.custom_op import CustomOp, register_op
 
 WeightLoader = Callable[..., None]
@@ -76,9 +84,34 @@ def batch_invariant_enabled() -> bool:
     return config is not None and config.model.batch_invariant
 
 
-def _check_tp(tp_size: int) -> None:
-    if tp_size != 1:
-        raise NotImplementedError(f"tensor parallelism is not implemented yet (tp_size={tp_size})")
+def tp_group_for(tp_size: int | None) -> TensorParallelGroup:
+    """The group a parallel layer is built in: the current one (``get_tp_group``).
+
+    Raises:
+        ValueError: ``tp_size`` given and different from the current group's size.
+    """
+    group = get_tp_group()
+    if tp_size is not None and tp_size != group.world_size:
+        raise ValueError(
+            f"tp_size={tp_size} differs from the tensor-parallel group the layer is built in "
+            f"(world_size={group.world_size}); allowed: None or {group.world_size}"
+        )
+    return group
+
+
+def check_unsharded_method(method: object, tp_size: int, prefix: str) -> None:
+    """Refuse a quantized method on a sharded layer (its storage is not split per rank).
+
+    Raises:
+        ValueError: a method given with ``tp_size > 1``; names ``model.quantization``.
+    """
+    if tp_size > 1 and not isinstance(method, (type(None), UnquantizedLinearMethod)):
+        raise ValueError(
+            f"{prefix or 'layer'}: model.quantization keeps weights quantized "
+            f"({type(method).__name__}), which tensor parallelism does not shard; with "
+            f"parallel.tensor_parallel_size={tp_size} allowed: 'auto' or 'none' "
+            "(--quantization none, dense weights)"
+        )
 
 
 class LinearMethodBase(ABC):
@@ -254,6 +287,7 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output dimension split across ranks (each rank computes a slice of the features).
 
+    ``output_sizes`` are the whole model's; this rank holds ``1 / tp_size`` of each part.
     Fused subclasses concatenate several outputs; their shards are laid out in
     ``output_partition_sizes`` order along dimension 0 of every parameter that has
     ``output_dim`` (weight and bias).
@@ -267,11 +301,23 @@ class ColumnParallelLinear(LinearBase):
         params_dtype: torch.dtype | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-        tp_size: int = 1,
+        tp_size: int | None = None,
     ) -> None:
-        _check_tp(tp_size)
-        super().__init__(input_size, output_sizes, bias, params_dtype, quant_config, prefix)
-        self.tp_size = tp_size
+        group = tp_group_for(tp_size)
+        self.tp_group, self.tp_rank, self.tp_size = group, group.rank, group.world_size
+        local_sizes = self._shard_sizes(list(output_sizes), prefix)
+        super().__init__(input_size, local_sizes, bias, params_dtype, quant_config, prefix)
+        check_unsharded_method(self.quant_method, self.tp_size, prefix)
+
+    def _shard_sizes(self, output_sizes: list[int], prefix: str) -> list[int]:
+        """This rank's size of each fused part (an even split)."""
+        return [
+            divide(size, self.tp_size, f"{prefix or 'layer'} output size") for size in output_sizes
+        ]
+
+    def _shard_rank(self, shard_index: int) -> int:
+        """Which slice of fused part ``shard_index``'s checkpoint tensor this rank holds."""
+        return self.tp_rank
 
     def _shard_offset(self, shard_index: int) -> tuple[int, int]:
         """(offset, size) of fused part ``shard_index`` along the output dimension."""
@@ -285,6 +331,10 @@ class ColumnParallelLinear(LinearBase):
             default_weight_loader(param, loaded_weight)
             return
         offset, size = self._shard_offset(index)
+        if self.tp_size > 1:
+            # The checkpoint holds the whole part: keep this rank's slice.
+            start = self._shard_rank(index) * size
+            loaded_weight = loaded_weight.narrow(output_dim, start, size)
         target = param.data.narrow(output_dim, offset, size)
         if target.shape != loaded_weight.shape:
             raise ValueError(
@@ -292,6 +342,14 @@ class ColumnParallelLinear(LinearBase):
                 f"{tuple(loaded_weight.shape)} does not fit {tuple(target.shape)}"
             )
         target.copy_(loaded_weight)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        if shard_id is None and self.tp_size > 1 and len(self.output_partition_sizes) == 1:
+            self._load_shard(param, loaded_weight, 0)
+            return
+        default_weight_loader(param, loaded_weight, shard_id)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -317,8 +375,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """The query, key and value projections fused into one matmul.
 
-    Output layout: ``[q (num_heads * head_size) | k (num_kv_heads * head_size) | v (same)]``.
-    ``weight_loader(param, w, shard_id)`` with ``shard_id`` in ``"q"``, ``"k"``, ``"v"``.
+    Output layout (this rank's heads): ``[q (num_heads * head_size) | k (num_kv_heads *
+    head_size) | v (same)]``. Query heads split evenly over ranks; key/value heads too when there
+    are at least as many as ranks, else each rank holds one, shared by ``tp_size /
+    total_num_kv_heads`` ranks (replicated). ``weight_loader(param, w, shard_id)`` with
+    ``shard_id`` in ``"q"``, ``"k"``, ``"v"``.
     """
 
     _SHARDS = ("q", "k", "v")
@@ -333,11 +394,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-        tp_size: int = 1,
+        tp_size: int | None = None,
     ) -> None:
-        num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
         q_size = total_num_heads * head_size
-        kv_size = num_kv_heads * head_size
+        kv_size = self.total_num_kv_heads * head_size
         super().__init__(
             hidden_size,
             [q_size, kv_size, kv_size],
@@ -347,9 +410,21 @@ class QKVParallelLinear(ColumnParallelLinear):
             prefix,
             tp_size,
         )
-        self.head_size = head_size
-        self.num_heads = total_num_heads
-        self.num_kv_heads = num_kv_heads
+
+    def _shard_sizes(self, output_sizes: list[int], prefix: str) -> list[int]:
+        tp = self.tp_size
+        self.num_heads = divide(self.total_num_heads, tp, "num_attention_heads")
+        if self.total_num_kv_heads >= tp:
+            self.num_kv_heads = divide(self.total_num_kv_heads, tp, "num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp, self.total_num_kv_heads, "tensor_parallel_size")
+        kv_size = self.num_kv_heads * self.head_size
+        return [self.num_heads * self.head_size, kv_size, kv_size]
+
+    def _shard_rank(self, shard_index: int) -> int:
+        return self.tp_rank if shard_index == 0 else self.tp_rank // self.num_kv_head_replicas
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
@@ -363,7 +438,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dimension split across ranks (the output is summed over ranks: an all-reduce)."""
+    """Input dimension split across ranks; the partial products are summed over ranks (an
+    all-reduce through the group's communicator); only rank 0 adds the bias.
+
+    ``input_size`` is the whole model's; this rank holds ``input_size / tp_size`` columns.
+    """
 
     def __init__(
         self,
@@ -373,11 +452,32 @@ class RowParallelLinear(LinearBase):
         params_dtype: torch.dtype | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-        tp_size: int = 1,
+        tp_size: int | None = None,
     ) -> None:
-        _check_tp(tp_size)
-        super().__init__(input_size, [output_size], bias, params_dtype, quant_config, prefix)
-        self.tp_size = tp_size
+        group = tp_group_for(tp_size)
+        self.tp_group, self.tp_rank, self.tp_size = group, group.rank, group.world_size
+        local_input = divide(input_size, self.tp_size, f"{prefix or 'layer'} input size")
+        super().__init__(local_input, [output_size], bias, params_dtype, quant_config, prefix)
+        check_unsharded_method(self.quant_method, self.tp_size, prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The dispatched op (any provider's) computes this rank's partial product; the sum over
+        # ranks stays here, so providers need not know about tensor parallelism.
+        out = super().forward(x)  # [num_tokens, output_size], partial when tp_size > 1
+        return out if self.tp_size == 1 else self.tp_group.all_reduce(out)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        if self.tp_size > 1 and param is self.bias:
+            # Added once to the sum: rank 0 holds it, the other ranks add zeros.
+            default_weight_loader(param, loaded_weight if self.tp_rank == 0 else 0 * loaded_weight)
+            return
+        if self.tp_size > 1 and shard_id is None:
+            # The weight [output, input]: keep this rank's input columns.
+            size = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+        default_weight_loader(param, loaded_weight, shard_id)
 
 
 __all__ = [
@@ -391,6 +491,8 @@ __all__ = [
     "RowParallelLinear",
     "UnquantizedLinearMethod",
     "batch_invariant_enabled",
+    "check_unsharded_method",
     "default_weight_loader",
     "set_weight_attrs",
+    "tp_group_for",
 ]

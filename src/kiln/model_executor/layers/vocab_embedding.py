@@ -18,8 +18,13 @@ Contract:
   result is returned in float32 for the sampler. Built under ``model.batch_invariant``, it has
   ``batch_invariant = True``, with the same meaning as the linear layers' (``linear``).
 
-Tensor parallelism would split the vocabulary across ranks (``tp_size`` is the seam; only 1 is
-implemented). This module knows nothing about models, sampling or checkpoints.
+Tensor parallelism: built inside ``set_tp_group`` (``kiln.distributed.parallel_state``), the
+vocabulary is padded to a multiple of ``tp_size`` and rank ``r`` holds rows ``[r * n, (r + 1) *
+n)`` of the table (``n`` = padded vocab / ``tp_size``; padding rows are zeros). The embedding
+looks up the ids in its range, zeroes the others and all-reduces; the logits processor
+all-gathers the ranks' logits and cuts them back to the vocabulary. The collectives run outside
+the dispatched ops. Quantized tables are refused with more than one rank (``linear``). This module
+knows nothing about models, sampling or checkpoints.
 """
 
 from __future__ import annotations
@@ -33,14 +38,11 @@ from kiln.model_executor.layers.linear import (
     LinearMethodBase,
     QuantizationConfig,
     batch_invariant_enabled,
+    check_unsharded_method,
     default_weight_loader,
     set_weight_attrs,
+    tp_group_for,
 )
-
-
-def _check_tp(tp_size: int) -> None:
-    if tp_size != 1:
-        raise NotImplementedError(f"vocabulary parallelism is not implemented yet ({tp_size=})")
 
 
 @register_op("vocab_parallel_embedding")
@@ -61,19 +63,23 @@ class VocabParallelEmbedding(CustomOp):
         embedding_dim: int,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
-        tp_size: int = 1,
+        tp_size: int | None = None,
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        _check_tp(tp_size)
+        group = tp_group_for(tp_size)
+        self.tp_group, self.tp_rank, self.tp_size = group, group.rank, group.world_size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tp_size = tp_size
+        # This rank's rows of the vocabulary padded to a multiple of tp_size.
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.prefix = prefix
         params_dtype = params_dtype or torch.get_default_dtype()
         self.quant_method: LinearMethodBase | None = (
             quant_config.get_linear_method(self, prefix) if quant_config else None
         )
+        check_unsharded_method(self.quant_method, self.tp_size, prefix)
         self._tied_to: tuple[VocabParallelEmbedding, ...] = ()
         if self.quant_method is not None:
             # The table is a linear map hidden -> vocab: input size hidden, output size vocab.
@@ -82,10 +88,21 @@ class VocabParallelEmbedding(CustomOp):
             )
             return
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=params_dtype),
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype),
             requires_grad=False,
         )
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's rows of the whole table (or bias); rows past the vocabulary are 0."""
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded_weight, shard_id)
+            return
+        rows = loaded_weight[self.vocab_start_index : self.vocab_start_index + param.shape[0]]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
 
     def weight_layer(self) -> VocabParallelEmbedding:
         """The layer that holds this one's table: itself, or the embedding a head is tied to."""
@@ -95,6 +112,17 @@ class VocabParallelEmbedding(CustomOp):
         if self.quant_method is not None:
             return self.quant_method.embedding(self, input_ids)
         return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(input_ids)
+        # Ids outside this rank's rows look up row 0 and are zeroed; the sum over ranks then
+        # holds every id's row exactly once.
+        local_ids = input_ids - self.vocab_start_index
+        outside = (local_ids < 0) | (local_ids >= self.num_embeddings_per_partition)
+        embeddings = super().forward(local_ids.masked_fill(outside, 0))  # [T, hidden]
+        embeddings.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp_group.all_reduce(embeddings)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
@@ -117,16 +145,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
-        tp_size: int = 1,
+        tp_size: int | None = None,
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, prefix, tp_size, quant_config)
         if bias:
             self.bias = nn.Parameter(
-                torch.empty(num_embeddings, dtype=params_dtype or torch.get_default_dtype()),
+                torch.empty(
+                    self.num_embeddings_per_partition,
+                    dtype=params_dtype or torch.get_default_dtype(),
+                ),
                 requires_grad=False,
             )
-            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
 
@@ -167,6 +198,13 @@ class LogitsProcessor(CustomOp):
         if self.scale != 1.0:
             logits.mul_(self.scale)
         return logits
+
+    def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(lm_head, hidden_states)  # [N, this rank's vocabulary rows]
+        if lm_head.tp_size == 1:
+            return logits
+        # [N, padded vocab] in rank order -> [N, vocab_size]
+        return lm_head.tp_group.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, scale={self.scale}"

@@ -144,11 +144,7 @@ class LlamaAttention(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = QKVParallelLinear(
             args.hidden_size,
             args.head_dim,
@@ -159,8 +155,13 @@ class LlamaAttention(nn.Module):
             quant_config=quant_config,
             prefix=join_prefix(prefix, "qkv_proj"),
         )
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * args.head_dim
+        self.kv_size = self.num_kv_heads * args.head_dim
         self.o_proj = RowParallelLinear(
-            self.q_size,
+            args.num_heads * args.head_dim,
             args.hidden_size,
             bias=args.o_proj_bias,
             params_dtype=dtype,
@@ -170,10 +171,10 @@ class LlamaAttention(nn.Module):
         # One instance shared by every layer (its cos/sin cache is the same).
         self.rotary_emb = rotary_emb
         self.attn = Attention(
-            args.num_heads,
+            self.num_heads,
             args.head_dim,
             args.head_dim**-0.5,
-            args.num_kv_heads,
+            self.num_kv_heads,
             prefix=join_prefix(prefix, "attn"),
             sliding_window=args.sliding_windows[layer_idx],
         )

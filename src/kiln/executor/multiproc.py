@@ -1,0 +1,314 @@
+"""One worker process per tensor-parallel rank, driven from the engine core over ZMQ.
+
+Contract:
+- ``MultiprocExecutor(config).initialize()`` starts ``parallel.tensor_parallel_size`` processes
+  (fresh interpreters, like the ``spawn`` start method) and waits, at most
+  ``WORKER_START_TIMEOUT_S``, until every rank has joined the process group and loaded its shard.
+  A rank that fails to start fails ``initialize`` with its traceback; the others are stopped.
+- Each call (``execute_model`` once per step) is serialized once and the same bytes are pushed to
+  every rank's socket; every rank runs it; only rank 0 answers ``execute_model`` (its sampled
+  tokens), every rank answers the other calls, and any rank answers with its error.
+- While it waits for an answer the executor watches the processes: a rank that dies fails the
+  call within ``POLL_MS`` with ``WorkerDiedError`` (the engine core then reports the error to
+  every request in flight and exits, see ``kiln.engine.core_proc``). ``shutdown`` asks every rank
+  to stop, then terminates and kills what is left: no process outlives it.
+- A worker whose engine core dies (SIGKILL) notices within ``POLL_MS`` while idle and exits.
+
+The calls are ``WorkerBase`` methods (``CALLS``); nothing else crosses. This module knows nothing
+about models or scheduling. Ray and pipeline parallelism will reuse the worker side
+(``WorkerProc``) behind another transport.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kiln.config import KilnConfig
+from kiln.distributed.parallel_state import prepare_tensor_parallel_config
+from kiln.executor import Executor
+from kiln.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 600.0
+"""Longest a rank may take to start (imports, process group, model load) on a busy machine."""
+POLL_MS = 100
+"""How often a waiting executor checks its workers, and an idle worker its parent."""
+SHUTDOWN_GRACE_S = 5.0
+"""How long ``shutdown`` waits for workers to exit on request before terminating them."""
+
+CALLS = (
+    "determine_available_memory",
+    "get_kv_cache_bytes_per_block",
+    "get_max_model_len",
+    "initialize_cache",
+    "compile_or_warm_up_model",
+    "execute_model",
+    "shutdown",
+)
+"""The ``WorkerBase`` methods an executor may call on its ranks."""
+READY, OK, FAILED = b"ready", b"ok", b"failed"
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the executor needed it."""
+
+
+@dataclass
+class WorkerStart:
+    """What a worker process reads from its stdin at start (pickled)."""
+
+    config: KilnConfig
+    rank: int
+    distributed_init_method: str
+    input_addr: str
+    output_addr: str
+    log_level: int
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: KilnConfig) -> None:
+        super().__init__(prepare_tensor_parallel_config(config))
+        self.world_size = self.config.parallel.tensor_parallel_size
+        self.processes: list[subprocess.Popen] = []
+        self.ctx = zmq.Context()
+        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-tp-")
+        self.inputs: list[zmq.Socket] = []
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.bind(f"ipc://{self.ipc_dir}/out")
+        self.is_shut_down = False
+
+    def initialize(self) -> None:
+        # An offline LLM may be dropped without shutdown: stop its workers at exit all the same.
+        atexit.register(self.shutdown)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(self.world_size):
+            push = self.ctx.socket(zmq.PUSH)
+            push.bind(f"ipc://{self.ipc_dir}/in-{rank}")
+            self.inputs.append(push)
+            start = WorkerStart(
+                self.config,
+                rank,
+                init_method,
+                f"ipc://{self.ipc_dir}/in-{rank}",
+                f"ipc://{self.ipc_dir}/out",
+                logging.getLogger().getEffectiveLevel(),
+            )
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "from kiln.executor.multiproc import main; main()"],
+                stdin=subprocess.PIPE,
+            )
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(start))
+            proc.stdin.close()
+            self.processes.append(proc)
+        try:
+            self._wait(set(range(self.world_size)), READY, WORKER_START_TIMEOUT_S, "start")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def determine_available_memory(self) -> list[int]:
+        return self._call("determine_available_memory")
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return self._call("get_kv_cache_bytes_per_block")[0]
+
+    def get_max_model_len(self) -> int:
+        return self._call("get_max_model_len")[0]
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks)
+        self._call("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", scheduler_output, ranks={0})[0]
+
+    def shutdown(self) -> None:
+        """Stop every worker (asked, then terminated, then killed); idempotent."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        atexit.unregister(self.shutdown)
+        message = pickle.dumps(("shutdown", ()))
+        for push, proc in zip(self.inputs, self.processes, strict=False):
+            if proc.poll() is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    push.send(message, flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes:
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in [*self.inputs, self.outputs]:
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _call(self, method: str, *args: Any, ranks: set[int] | None = None) -> list[Any]:
+        """Run ``method(*args)`` on every rank; return the answers of ``ranks`` (default: all)
+        in rank order.
+
+        Raises:
+            WorkerDiedError: a worker exited.
+            RuntimeError: a worker raised (its traceback in the message).
+        """
+        assert method in CALLS, method
+        if self.is_shut_down:
+            raise WorkerDiedError("the workers are shut down")
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once
+        for push in self.inputs:
+            push.send(message, copy=False)
+        expected = set(range(self.world_size)) if ranks is None else ranks
+        return self._wait(expected, OK, None, method)
+
+    def _wait(self, ranks: set[int], kind: bytes, timeout: float | None, what: str) -> list[Any]:
+        """Answers of ``kind`` from ``ranks``, in rank order, watching the processes meanwhile."""
+        answers: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(answers) < len(ranks):
+            if self.outputs.poll(POLL_MS):
+                rank_bytes, answer_kind, payload = self.outputs.recv_multipart()
+                rank = int(rank_bytes)
+                if answer_kind == FAILED:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} failed in {what}:\n" + payload.decode()
+                    )
+                if rank in ranks:
+                    answers[rank] = pickle.loads(payload) if answer_kind == kind else None
+                continue
+            for rank, proc in enumerate(self.processes):
+                if proc.poll() is not None:
+                    raise WorkerDiedError(
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status "
+                        f"{proc.returncode} during {what}"
+                    )
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(ranks - answers.keys())
+                raise TimeoutError(
+                    f"tensor-parallel ranks {missing} did not {what} within {timeout:.0f} s"
+                )
+        return [answers[rank] for rank in sorted(ranks)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProc:
+    """The worker side: one rank's worker behind its sockets, until ``shutdown``."""
+
+    def __init__(self, start: WorkerStart) -> None:
+        from kiln.plugins import init_process
+        from kiln.plugins.interfaces import resolve_class
+
+        self.rank = start.rank
+        self.parent_pid = os.getppid()
+        self.ctx = zmq.Context()
+        self.inputs = self.ctx.socket(zmq.PULL)
+        self.inputs.connect(start.input_addr)
+        self.outputs = self.ctx.socket(zmq.PUSH)
+        self.outputs.connect(start.output_addr)
+        try:
+            config = init_process("worker", start.config)
+            worker_cls = resolve_class("worker_cls", config.device.worker_cls)
+            self.worker = worker_cls(
+                config,
+                local_rank=start.rank,
+                rank=start.rank,
+                distributed_init_method=start.distributed_init_method,
+            )
+            self.worker.init_device()
+            self.worker.load_model()
+        except Exception:
+            self._answer(FAILED, traceback.format_exc().encode())
+            self.close()  # flushes the answer before the process exits
+            raise
+        self._answer(READY, pickle.dumps(None))
+
+    def run(self) -> None:
+        """Serve calls until ``shutdown`` (or until the engine core is gone)."""
+        while True:
+            while not self.inputs.poll(POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("rank %d: the engine core is gone; exiting", self.rank)
+                    return
+            method, args = pickle.loads(self.inputs.recv())
+            if method not in CALLS:
+                raise ValueError(f"call={method!r} is invalid; allowed: {list(CALLS)}")
+            try:
+                result = getattr(self.worker, method)(*args)
+            except Exception:
+                self._answer(FAILED, traceback.format_exc().encode())
+                raise
+            if method == "shutdown":
+                return
+            if method != "execute_model" or self.rank == 0:
+                self._answer(OK, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def close(self) -> None:
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=1000)
+        self.ctx.term()
+
+    def _answer(self, kind: bytes, payload: bytes) -> None:
+        self.outputs.send_multipart([str(self.rank).encode(), kind, payload])
+
+
+def main() -> None:
+    """Entry point of a worker process: reads a pickled ``WorkerStart`` from stdin."""
+    start: WorkerStart = pickle.loads(sys.stdin.buffer.read())
+    logging.basicConfig(
+        level=start.log_level, format=f"%(levelname)s rank{start.rank} %(name)s: %(message)s"
+    )
+    # Ctrl-C reaches the whole process group: the engine core stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # The ranks share this machine's cores: one each's share, not all of them each.
+        world_size = start.config.parallel.tensor_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        proc = WorkerProc(start)
+    except Exception:
+        logger.exception("rank %d failed to start", start.rank)
+        raise SystemExit(1) from None
+    try:
+        proc.run()
+    except Exception:
+        logger.exception("rank %d failed", start.rank)
+        raise SystemExit(1) from None
+    finally:
+        with contextlib.suppress(Exception):
+            proc.worker.shutdown()
+        proc.close()
+
+
+__all__ = ["CALLS", "MultiprocExecutor", "WorkerDiedError", "WorkerProc", "WorkerStart", "main"]

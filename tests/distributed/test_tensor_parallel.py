@@ -1,0 +1,84 @@
+"""Tensor parallelism with the multiprocess executor: greedy tokens in float32 at TP=2 equal TP=1
+on the default model and on small random models whose shapes exercise the sharding (4 KV heads
+split over ranks, 1 KV head replicated, a vocabulary of 257 rows padded to 258); quantized
+weights are refused with more than one rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.config import KilnConfig, ModelConfig, ParallelConfig
+from kiln.distributed.parallel_state import prepare_tensor_parallel_config
+from kiln.testing.models import save_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+TOKEN_PROMPTS = [
+    {"prompt_token_ids": [1, 5, 9, 200, 17, 3]},
+    {"prompt_token_ids": [3, 256, 7]},  # 256: a row of the last rank's vocabulary shard
+    {"prompt_token_ids": [(11 * i) % 257 for i in range(1, 40)]},
+]
+
+
+def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
+    llm = LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        kv_cache_memory=0.02,
+        max_model_len=256,
+        **kwargs,
+    )
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "num_kv_heads"),
+    [("llama", 4), ("qwen3", 4), ("llama", 1)],
+    ids=["llama-4kv", "qwen3-4kv", "llama-1kv-replicated"],
+)
+def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
+    tmp_path, gguf_path, model_type, num_kv_heads
+):
+    folder = save_tiny_model(
+        tmp_path / model_type,
+        model_type,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=32,
+        vocab_size=257,  # odd: the last rank's shard has a padding row
+        initializer_range=0.2,  # peaked logits: no greedy ties
+    )
+    tp1 = _greedy(folder, 1, TOKEN_PROMPTS, tokenizer=gguf_path)
+    tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)
+    assert tp2 == tp1
+    assert len({tuple(t) for t in tp1}) == len(TOKEN_PROMPTS)  # not a degenerate output
+
+
+@pytest.mark.slow
+def test_tp2_greedy_tokens_equal_tp1_on_the_default_model(gguf_path):
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
+    tp1 = _greedy(gguf_path, 1, prompts, quantization="none")
+    # quantization auto: dense weights with more than one rank.
+    tp2 = _greedy(gguf_path, 2, prompts)
+    assert tp2 == tp1
+
+
+@pytest.mark.parametrize("method", ["gguf", "int8", "int4"])
+def test_quantized_weights_are_refused_with_more_than_one_rank(method):
+    config = KilnConfig(
+        model=ModelConfig(quantization=method), parallel=ParallelConfig(tensor_parallel_size=2)
+    )
+    with pytest.raises(ValueError, match=rf"model.quantization='{method}'.*allowed: 'auto' or"):
+        prepare_tensor_parallel_config(config)
+
+
+def test_auto_quantization_means_dense_weights_with_more_than_one_rank():
+    config = KilnConfig(parallel=ParallelConfig(tensor_parallel_size=2))
+    assert prepare_tensor_parallel_config(config).model.quantization == "none"
+    single = KilnConfig(model=ModelConfig(quantization="gguf"))
+    assert prepare_tensor_parallel_config(single) is single
