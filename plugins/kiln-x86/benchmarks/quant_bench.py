@@ -1,13 +1,12 @@
 """Weight-only GGUF matmul against dense bf16 ``F.linear``, on SmolLM2-135M's shapes.
 
-Microseconds per call, the best of ``--repeat`` loops in thread CPU time (one thread), every
-column from the same run. Columns: dense bf16 and float32 ``F.linear`` (the
-baselines), kiln-x86's kernel (``quant.matmul``: the int8 kernel up to ``INT8_MAX_ROWS`` rows where
-built, else C++ up to ``MAX_KERNEL_ROWS`` rows, then dequantize + dense GEMM), the C++ float kernel
-alone, the int8 kernel alone and dequantize + bf16 GEMM alone at every row
-count, and torch's built-in int4
-kernel (``_weight_int4pack_mm_for_cpu``, group 32) with float32 activations and with bfloat16
-ones (whose scales and zeros it wants in bfloat16, which GGUF's float16 scales do not survive).
+Microseconds per call, the best of ``--repeat`` loops in thread CPU time (one thread), every column
+from the same run. Columns: dense bf16 and float32 ``F.linear`` (the baselines), kiln-x86's kernel
+(``quant.matmul`` as served by default: without int8 activations, C++ up to ``MAX_KERNEL_ROWS``
+rows, then dequantize + dense GEMM), the C++ float kernel alone, the int8 kernel alone and
+dequantize + bf16 GEMM alone at every row count, and torch's built-in int4 kernel
+(``_weight_int4pack_mm_for_cpu``, group 32) with float32 activations and with bfloat16 ones (whose
+scales and zeros it wants in bfloat16, which GGUF's float16 scales do not survive).
 
     python plugins/kiln-x86/benchmarks/quant_bench.py --threads 1
 """
@@ -128,7 +127,7 @@ def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
     ]
     print("| rows | " + " | ".join(f"{c}, ms" for c in columns) + " |")
     print("|---|" + "---|" * len(columns))
-    threshold, int8_threshold = quant.MAX_KERNEL_ROWS, quant.INT8_MAX_ROWS
+    threshold = quant.MAX_KERNEL_ROWS
     for rows in rows_list:
         xs = {k: torch.randn(rows, k).bfloat16() for k in {p.in_features for p in packed}}
 
@@ -137,16 +136,16 @@ def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
         def run_quant(max_kernel_rows: int, int8_max_rows: int, xs=xs) -> None:
-            quant.MAX_KERNEL_ROWS, quant.INT8_MAX_ROWS = max_kernel_rows, int8_max_rows
+            quant.MAX_KERNEL_ROWS = max_kernel_rows
             try:
                 for p in packed:
-                    quant.matmul(xs[p.in_features], p)
+                    quant.matmul(xs[p.in_features], p, int8_max_rows)
             finally:
-                quant.MAX_KERNEL_ROWS, quant.INT8_MAX_ROWS = threshold, int8_threshold
+                quant.MAX_KERNEL_ROWS = threshold
 
         runs = [
             run_dense,
-            lambda: run_quant(threshold, int8_threshold),
+            lambda: run_quant(threshold, 0),
             lambda rows=rows: run_quant(0, rows),  # Q6_K (none in the default model): dense
             lambda rows=rows: run_quant(rows, 0),
             lambda: run_quant(0, 0),

@@ -109,12 +109,10 @@ def test_the_reference_platforms_thread_flag_still_works(sections, expected):
 
 INT8_SWITCH = """
 from kiln.config import KilnConfig, PluginConfig
-from kiln.platforms import current_platform
 from kiln.plugins import init_process
-from kiln_x86 import quant
 config = init_process("engine", KilnConfig(plugins=PluginConfig(sections={SECTIONS})))
-current_platform.get_quant_config("gguf", config)
-print(quant.INT8_MAX_ROWS)
+from kiln.platforms import current_platform
+print(current_platform.get_quant_config("gguf", config).method_cls.int8_max_rows)
 """
 
 

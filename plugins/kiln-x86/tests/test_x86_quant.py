@@ -62,8 +62,8 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(d.astype(np.float64) * q).reshape(x.shape)
 
 
-def int8_applies(packed: quant.PackedWeight, rows: int) -> bool:
-    return quant.int8_kernel_applies(quant.load_quant_kernels(), packed, rows)
+def int8_applies(packed: quant.PackedWeight, rows: int, int8_max_rows: int) -> bool:
+    return quant.int8_kernel_applies(quant.load_quant_kernels(), packed, rows, int8_max_rows)
 
 
 def assert_int8_close(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, packed) -> None:
@@ -93,9 +93,12 @@ def assert_int8_close(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, pac
     assert err <= 1.0, f"error {err:.3g}x the int8 rounding bound"
 
 
-def assert_matmul_close(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, packed=None) -> None:
-    """``packed``: the weight when y is ``quant.matmul``'s (the int8 bound where that runs)."""
-    if packed is not None and int8_applies(packed, x.shape[0]):
+def assert_matmul_close(
+    y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, packed=None, int8_max_rows: int = 0
+) -> None:
+    """``packed``: the weight when y is ``quant.matmul(x, packed, int8_max_rows)``'s (the int8
+    bound where that runs)."""
+    if packed is not None and int8_applies(packed, x.shape[0], int8_max_rows):
         assert y.dtype == x.dtype and y.shape == (x.shape[0], w_ref.shape[0])
         assert_int8_close(y, x, w_ref, packed)
         return
@@ -141,6 +144,9 @@ def test_matmul_against_dequantized_reference(qtype: T, dtype: torch.dtype, ext)
     for rows in rows_cases:
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         assert_matmul_close(quant.matmul(x, packed), x, w_ref, packed)
+        # With int8 activations (opt-in): the int8 bound up to INT8_ROWS rows where it runs.
+        y = quant.matmul(x, packed, quant.INT8_ROWS)
+        assert_matmul_close(y, x, w_ref, packed, quant.INT8_ROWS)
         # The C++ kernel alone at every row count (matmul hands many rows to the dense GEMM).
         y = ext.qmatmul(x, packed.qweight, packed.scales, packed.mins, packed.group, packed.bits)
         assert_matmul_close(y, x, w_ref)

@@ -89,18 +89,18 @@ class X86Platform(CpuPlatform):
             Int8QuantConfig,
         )
         from kiln_x86.linear_methods import (
+            X86GGUFInt8ActivationsLinearMethod,
             X86GGUFLinearMethod,
             X86Int4LinearMethod,
             X86Int8LinearMethod,
         )
 
         super().get_quant_config(method, config)  # validates method
-        from kiln_x86 import quant
-
         # No config when a model is loaded outside an engine (load_model): the section's defaults.
         options = X86Options() if config is None else cls.options(config)
-        quant.INT8_MAX_ROWS = quant.INT8_ROWS if options.int8_activations else 0
         if method == "gguf":
+            if options.int8_activations:
+                return GGUFQuantConfig(X86GGUFInt8ActivationsLinearMethod)
             return GGUFQuantConfig(X86GGUFLinearMethod)
         if method == "int8":
             return Int8QuantConfig(X86Int8LinearMethod)

@@ -14,12 +14,12 @@ Contract (a quantized linear or embedding layer keeps what ``pack`` returns, nev
 Every format is repacked on load into one layout (``csrc/x86_quant.cpp``): per group of 32 (Q6_K:
 16) weights a float32 scale and, for the formats with an offset, a float32 min, with 4-bit
 values kept as nibbles (Q4_0, Q4_1, Q4_K) and 5-, 6- and 8-bit ones as int8 (Q5_K, Q6_K, Q8_0).
-Up to ``INT8_MAX_ROWS`` rows (opt-in: 0 unless enabled), where the CPU has AVX512-VNNI and the
-weight has groups of 32 (all but Q6_K), the C++ int8 kernel rounds each activation row to int8
-per block of 32 (a float32 scale per block, as llama.cpp's Q8 activations) and multiplies it
-with the weight's integers in int32 dot products, then applies the scales and mins per block
-in float32: not exact against the dequantized weights (at most half an int8 step of each
-activation block per weight).
+Up to ``int8_max_rows`` rows (``matmul``'s argument: 0 unless the linear method enables it), where
+the CPU has AVX512-VNNI and the weight has groups of 32 (all but Q6_K), the C++ int8 kernel rounds
+each activation row to int8 per block of 32 (a float32 scale per block, as llama.cpp's Q8
+activations) and multiplies it with the weight's integers in int32 dot products, then applies the
+scales and mins per block in float32: not exact against the dequantized weights (at most half an
+int8 step of each activation block per weight).
 Otherwise up to ``MAX_KERNEL_ROWS`` rows run the C++ kernel, which reads each weight once and
 dequantizes it in registers (decode is bound by reading the weights); more rows dequantize the
 weight and run torch's dense GEMM in x's dtype (prefill is bound by the GEMM, and oneDNN's bf16
@@ -57,12 +57,11 @@ SUPPORTED_TYPES = (
 # Rows up to which matmul runs the C++ kernel; above, dequantize + dense GEMM (measured: README).
 MAX_KERNEL_ROWS = 8
 # Rows up to which groups of 32 (all but Q6_K) run the int8 kernel where it is built (AVX512-VNNI:
-# activations rounded to int8 per block of 32, integer dot products); measured: README. 0 (off)
-# unless the x86 section's ``int8_activations`` is set, when the platform sets INT8_ROWS: a
-# prefix-cache hit's short prefill then took that path where the uncached prompt's did not, and
-# the default model's greedy answer to the same chat prompt changed (from "Paris").
+# activations rounded to int8 per block of 32, integer dot products); measured: README. Only when
+# the x86 section's ``int8_activations`` is set (``linear_methods``): with it, a prefix-cache hit's
+# short prefill took that path where the uncached prompt's did not, and the default model's
+# greedy answer to the same chat prompt changed (from "Paris").
 INT8_ROWS = 16
-INT8_MAX_ROWS = 0
 # Output channels dequantized at a time for the dense GEMM: a few MiB, so that a large weight
 # (the 49152-row LM head) is never expanded whole.
 DENSE_TILE_ROWS = 4096
@@ -240,18 +239,21 @@ def embedding(
     return rows.reshape(*ids.shape, packed.in_features)
 
 
-def int8_kernel_applies(ext: ModuleType | None, packed: PackedWeight, rows: int) -> bool:
+def int8_kernel_applies(
+    ext: ModuleType | None, packed: PackedWeight, rows: int, int8_max_rows: int
+) -> bool:
     """Whether ``matmul`` of ``rows`` rows rounds the activations to int8 (see the module doc)."""
     return (
         ext is not None
         and hasattr(ext, "qmatmul_int8")
         and packed.group == 32
-        and 0 < rows <= INT8_MAX_ROWS
+        and 0 < rows <= int8_max_rows
     )
 
 
-def matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """``x @ W.T`` for the packed weight W: ``[..., in_features] -> [..., out_features]``.
+def matmul(x: torch.Tensor, packed: PackedWeight, int8_max_rows: int = 0) -> torch.Tensor:
+    """``x @ W.T`` for the packed weight W: ``[..., in_features] -> [..., out_features]``; up to
+    ``int8_max_rows`` rows with the activations rounded to int8 where the kernel is built.
 
     Raises:
         ValueError: x's last dim is not ``in_features``, or x is neither float32 nor bfloat16.
@@ -264,7 +266,7 @@ def matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         raise ValueError(f"x.dtype={x.dtype} is not supported; allowed: float32, bfloat16")
     x2 = x.reshape(-1, packed.in_features)
     ext = load_quant_kernels()
-    if int8_kernel_applies(ext, packed, x2.shape[0]):
+    if int8_kernel_applies(ext, packed, x2.shape[0], int8_max_rows):
         out = ext.qmatmul_int8(
             x2, packed.qweight, packed.scales, packed.mins, packed.group, packed.bits
         )
