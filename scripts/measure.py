@@ -32,9 +32,9 @@ PLUGIN_MACHINERY = ("plugins", "patches", "platforms", "testing")
 
 LAYERS: list[list[str]] = [
     # What everything may use: plain data, config, wire messages, the registry type, the
-    # interface checks.
+    # interface checks, the plugin config sections.
     ["utils", "config", "sampling_params", "outputs", "forward_context", "messages",
-     "plugins.registry", "plugins.interfaces"],
+     "plugins.registry", "plugins.interfaces", "plugins.config"],
     ["patches"],
     # The parts of a forward; hardware-independent; they do not pick a platform.
     ["model_executor", "sampling", "distributed"],
@@ -51,7 +51,7 @@ LAYERS: list[list[str]] = [
 ]  # fmt: skip
 """Kiln's layers, lowest first: a module may import its own layer and the layers below it."""
 
-UNITS_ON_THEIR_OWN = ("plugins.registry", "plugins.interfaces")
+UNITS_ON_THEIR_OWN = ("plugins.registry", "plugins.interfaces", "plugins.config")
 """Modules that are units of their own, apart from their package (listed in ``LAYERS``)."""
 
 

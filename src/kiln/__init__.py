@@ -1,7 +1,8 @@
 """Kiln: an LLM inference and serving engine whose hardware support comes from platform plugins.
 
-Importing ``kiln`` is cheap and selects nothing: the platform is resolved on first use of
-``kiln.platforms.current_platform``, and the public classes below are imported on first access.
+Importing ``kiln`` is cheap and selects nothing: a process selects its platform when it starts its
+plugin lifecycle (``kiln.plugins.init_process``), and the public classes below are imported on
+first access.
 """
 
 from __future__ import annotations

@@ -60,9 +60,10 @@ def test_token_id_prompts_are_used_exactly(tokenizer):
 @pytest.mark.parametrize(
     ("prompt", "field"),
     [
-        ("", "prompt must not be empty"),
-        ([], "prompt_token_ids must not be empty"),
-        ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
+        ("", "must be provided and non-empty"),
+        ([], "must be provided and non-empty"),
+        ({"prompt_token_ids": []}, "must be provided and non-empty"),
+        ({"prompt": "", "prompt_token_ids": []}, "must be provided and non-empty"),
         (
             [5, 49152],
             r"token id 49152 at position 1 of prompt is out of vocabulary \(vocab_size=49152\)",
@@ -76,6 +77,15 @@ def test_token_id_prompts_are_used_exactly(tokenizer):
 def test_bad_prompts_are_rejected(processor, prompt, field):
     with pytest.raises(ValueError, match=field):
         processor.process("r", prompt, SamplingParams())
+
+
+@pytest.mark.parametrize("prompt", ["", [], {"prompt_token_ids": []}])
+def test_the_empty_prompt_rule_lives_here_in_vllm_wording(processor, prompt):
+    # The server has no check of its own: this error is its 400, message and param unchanged.
+    with pytest.raises(PromptError) as error:
+        processor.process("r", prompt, SamplingParams())
+    assert str(error.value) == "Either prompt or prompt_embeds must be provided and non-empty."
+    assert error.value.param == "prompt"
 
 
 def test_context_length_errors_use_vllm_wording_and_name_the_field(processor):

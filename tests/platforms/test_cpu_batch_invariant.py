@@ -46,12 +46,16 @@ MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
 
 
 def _llm(**kwargs) -> LLM:
-    from kiln.platforms import current_platform
+    from kiln import platforms
+    from kiln.config import KilnConfig
+    from kiln.plugins import init_process
 
     # One engine thread: the machines these tests run on are shared, and a second thread whose
     # core is busy stalls every op (the op-level tests below cover two threads). The cpu platform
-    # and the platforms built on it (kiln-x86) take num_threads in their own config section.
-    threads = {current_platform.name: {"num_threads": 1}}
+    # and the platforms built on it (kiln-x86) take num_threads in their own config section;
+    # the lifecycle selects the process's platform (the LLM's runs it again, a no-op but configure).
+    init_process("offline", KilnConfig())
+    threads = {platforms.current_platform.name: {"num_threads": 1}}
     return LLM(**ENGINE_KWARGS, plugin_config=threads, **kwargs)
 
 

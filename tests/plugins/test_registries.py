@@ -54,6 +54,15 @@ class _Double(CustomOp):
 OP_REGISTRY.register_op("test_double")(_Double)
 
 
+@pytest.fixture
+def dispatch_on_cpu():
+    """Ops dispatch on the cpu device type, as after the lifecycle selected a cpu platform."""
+    before = OP_REGISTRY.device_type
+    OP_REGISTRY.select_device("cpu")
+    yield
+    OP_REGISTRY.select_device(before)
+
+
 def _impl(tag):
     def fn(op, x):
         fn.calls += 1
@@ -64,7 +73,9 @@ def _impl(tag):
     return fn
 
 
-def test_dispatch_picks_the_highest_priority_implementation_that_supports_the_call():
+def test_dispatch_picks_the_highest_priority_implementation_that_supports_the_call(
+    dispatch_on_cpu,
+):
     op = _Double()
     x32, x64 = torch.ones(3), torch.ones(3, dtype=torch.float64)
     assert op.selected_impl(x32) == "native"
@@ -84,6 +95,10 @@ def test_dispatch_picks_the_highest_priority_implementation_that_supports_the_ca
     assert torch.equal(op(x64), x64 * 2)  # predicate refuses float64: next by priority
     assert (high.calls, low.calls) == (1, 1)
     assert op.selected_impl(x32) == "high" and op.selected_impl(x64) == "low"
+    # No device selected (no platform yet): the reference, whatever is registered.
+    OP_REGISTRY.select_device(None)
+    assert torch.equal(op(x32), x32 * 2) and high.calls == 1
+    assert op.selected_impl(x32) == "native"
 
 
 def test_replacing_an_implementation_needs_override():

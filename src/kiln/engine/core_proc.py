@@ -125,9 +125,7 @@ def run_engine_core(
         from kiln.plugins import init_process
 
         config = init_process("engine", config)
-        # Only now: importing current_platform selects a platform, and before init_process it
-        # would ignore --platform (auto-detect) and refuse the forced one.
-        from kiln.platforms import current_platform
+        from kiln.platforms import current_platform  # init_process selected it
 
         engine = EngineCore(config)
         ready = ReadyMessage(

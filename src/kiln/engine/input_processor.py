@@ -81,6 +81,11 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+"""The refusal of an empty prompt (no text, no token ids, or a text that tokenizes to nothing),
+in vLLM's wording, which API clients see in the 400."""
+
+
 class PromptError(ValueError):
     """A prompt the engine refuses; ``param`` is the request field at fault (``"prompt"`` or
     ``"max_tokens"``)."""
@@ -149,9 +154,9 @@ class InputProcessor:
         ``prompt_name`` is how error messages name the prompt (``"prompt 2"`` in a batch).
 
         Raises:
-            PromptError: the prompt has token ids outside the vocabulary, or does not fit
-                ``max_model_len`` (with ``max_tokens`` when set).
-            ValueError: the prompt is empty or of the wrong type; the params ask for more
+            PromptError: the prompt is empty (``EMPTY_PROMPT``), has token ids outside the
+                vocabulary, or does not fit ``max_model_len`` (with ``max_tokens`` when set).
+            ValueError: the prompt is of the wrong type; the params ask for more
                 logprobs than ``max_logprobs`` or name token ids outside the vocabulary.
         """
         prompt_token_ids = self._tokenize(prompt, prompt_name)
@@ -182,14 +187,14 @@ class InputProcessor:
                 raise ValueError("prompt must be token ids: this engine has no tokenizer")
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
-                raise ValueError("prompt must not be empty")
+                raise PromptError(EMPTY_PROMPT, "prompt")
             return token_ids
         if not isinstance(prompt, Sequence):
             kind = type(prompt).__name__
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {kind}")
         token_ids = list(prompt)
         if not token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
+            raise PromptError(EMPTY_PROMPT, "prompt")
         self.check_token_ids(token_ids, name)
         return token_ids
 

@@ -4,14 +4,16 @@ Every layer whose speed depends on the hardware (norms, activations, rotary embe
 embedding) is a ``CustomOp``: a ``torch.nn.Module`` with a ``forward_native`` that is the reference.
 A provider (a platform plugin, a kernel library) registers an implementation of an op for a device
 type with a priority, and optionally a ``supports(module, *args, **kwargs)`` predicate. A call picks
-the highest-priority implementation for the current platform's device type whose predicate accepts
-the call, and falls back to ``forward_native``.
+the highest-priority implementation for the registry's ``device_type`` whose predicate accepts the
+call, and falls back to ``forward_native``.
 
 An implementation is a function ``fn(module, *args, **kwargs)`` with the same contract as the op's
 ``forward_native``: it may read the module's parameters and attributes.
 
-This module knows nothing about models or about which platform is running, beyond asking
-``kiln.platforms.current_platform`` for its ``device_type`` when an op is first called.
+This module knows nothing about models or platforms. The plugin lifecycle sets the device type to
+dispatch on once, when it selects the process's platform (``OpRegistry.select_device``); until then
+(a layer built and run outside any engine) every call runs ``forward_native``. A forward never
+selects a platform.
 """
 
 from __future__ import annotations
@@ -47,8 +49,17 @@ class OpRegistry:
         self.ops: Registry[type[CustomOp]] = Registry("op")
         self._impls: dict[str, dict[tuple[str, str], OpImpl]] = {}
         self.overrides: list[Override] = []
+        self.device_type: str | None = None
+        """The device type calls dispatch on; None: no platform selected, ``forward_native``."""
         # Bumped on every change so that ops re-resolve their candidate lists lazily.
         self.generation = 0
+
+    def select_device(self, device_type: str | None) -> None:
+        """Dispatch every later call on ``device_type``'s implementations (None: none of them).
+        Called by the plugin lifecycle when it selects the process's platform."""
+        if device_type != self.device_type:
+            self.device_type = device_type
+            self.generation += 1
 
     def register_op(self, name: str, *, override: bool = False) -> Callable[[type], type]:
         """Class decorator: make a ``CustomOp`` subclass known under ``name``."""
@@ -192,9 +203,10 @@ class CustomOp(torch.nn.Module):
         return "native"
 
     def _refresh_candidates(self) -> None:
-        from kiln.platforms import current_platform
-
-        self._candidates = OP_REGISTRY.implementations(self.op_name, current_platform.device_type)
+        device_type = OP_REGISTRY.device_type
+        self._candidates = (
+            [] if device_type is None else OP_REGISTRY.implementations(self.op_name, device_type)
+        )
         self._dispatch_generation = OP_REGISTRY.generation
 
 

@@ -6,9 +6,10 @@ joins three registries (loaders, architectures, and the model's own weight mappi
 their result: a parameter that no checkpoint tensor filled is an error, never silently
 uninitialized memory.
 
-Quantization: ``resolve_quant_config`` turns ``model.quantization`` into the platform's
-``QuantizationConfig`` (``Platform.get_quant_config``) or None (dense weights); with "gguf" the
-GGUF loader yields raw blocks (``GGUFWeight``) that the layers' methods keep.
+Quantization: ``resolve_quant_config`` turns ``model.quantization`` into the ``QuantizationConfig``
+of the platform the caller passes (``Platform.get_quant_config``; without one, Kiln's reference
+methods) or None (dense weights); with "gguf" the GGUF loader yields raw blocks (``GGUFWeight``)
+that the layers' methods keep. This module never selects a platform.
 
 ``kv_cache_bytes_per_token(config, dtype)`` is what the engine sizes its KV cache with.
 
@@ -40,6 +41,7 @@ def load_model(
     load_format: str = "auto",
     quant_config: Any = None,
     quantization: str | None = None,
+    platform: Any = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Load ``model_ref`` (a GGUF file, a Hugging Face folder, a hub id).
 
@@ -50,7 +52,9 @@ def load_model(
         load_format: a registered loader name, or ``"auto"`` to pick by ``model_ref``.
         quant_config: a ``QuantizationConfig`` for the layers; None: ``quantization`` decides.
         quantization: ``model.quantization`` (None, "auto", "gguf", "int8", "int4", "none"),
-            resolved with the current platform (``resolve_quant_config``).
+            resolved with ``platform`` (``resolve_quant_config``).
+        platform: the process's ``Platform`` class (the model runner passes it); None outside
+            an engine: dense weights for "auto", Kiln's reference methods otherwise.
 
     Returns:
         ``(model, hf_config)``.
@@ -64,7 +68,7 @@ def load_model(
     loader = get_loader(model_ref, load_format)
     hf_config = loader.load_hf_config(model_ref)
     if quant_config is None:
-        quant_config = resolve_quant_config(quantization, loader, model_ref)
+        quant_config = resolve_quant_config(quantization, loader, model_ref, platform)
     keep_gguf = quant_config is not None and quant_config.name == "gguf"
     if keep_gguf and not isinstance(loader, GGUFLoader):
         raise ValueError(
@@ -122,10 +126,12 @@ def is_quantized_gguf(loader: ModelLoader, model_ref: str) -> bool:
 def resolve_quant_config(
     quantization: str | None, loader: ModelLoader, model_ref: str, platform: Any = None
 ) -> QuantizationConfig | None:
-    """The ``QuantizationConfig`` for ``model.quantization`` on ``platform`` (default: the
-    current one), or None for dense weights.
+    """The ``QuantizationConfig`` for ``model.quantization`` on ``platform``, or None for dense
+    weights.
 
-    None / "auto": "gguf" for a quantized GGUF file where the platform supports it, else dense.
+    None / "auto": "gguf" for a quantized GGUF file where the platform supports it, else dense
+    (always dense without a platform). Without a platform, an explicit method gets Kiln's
+    reference ``QuantizationConfig`` (``reference_quant_config``).
 
     Raises:
         ValueError: "gguf" for a model that is no quantized GGUF file, "int8" / "int4" for one
@@ -134,16 +140,13 @@ def resolve_quant_config(
         InterfaceError: the platform's config does not implement ``QuantizationConfig``.
     """
     from kiln.config import get_current_config
+    from kiln.model_executor.layers.quantization import reference_quant_config
     from kiln.plugins.interfaces import check_implements
 
-    if platform is None:
-        from kiln.platforms import current_platform
-
-        platform = current_platform
     method = quantization or "auto"
     quantized_gguf = is_quantized_gguf(loader, model_ref)
     if method == "auto":
-        supported = "gguf" in platform.supported_quantization
+        supported = platform is not None and "gguf" in platform.supported_quantization
         method = "gguf" if quantized_gguf and supported else "none"
     if method == "none":
         return None
@@ -157,6 +160,8 @@ def resolve_quant_config(
             f"model.quantization={method!r} quantizes a float model on load; {model_ref!r} is "
             "already a quantized GGUF file; allowed for it: auto, gguf, none"
         )
+    if platform is None:
+        return reference_quant_config(method)
     quant_config = platform.get_quant_config(method, get_current_config())
     check_implements(type(quant_config), QuantizationConfig)
     return quant_config

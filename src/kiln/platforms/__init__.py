@@ -1,25 +1,59 @@
-"""``current_platform``: the platform of this process, resolved lazily on first access.
+"""``current_platform``: the platform this process's plugin lifecycle selected.
 
-Lazy because plugins import ``kiln.platforms.interface`` to subclass ``Platform``, and importing
-``kiln`` must not select anything. Resolution follows ``PluginManager.select_platform``.
+The lifecycle (``kiln.plugins.init_process``, layer above) selects the platform once, when the
+process starts, and records it here with ``set_current_platform``, which also points the custom
+ops' dispatch at its device type. Nothing below the lifecycle selects: reading
+``current_platform`` before the selection is an error, never a selection, so that importing
+``kiln`` or running a layer picks nothing.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kiln.model_executor.custom_op import OP_REGISTRY
 from kiln.platforms.interface import PLATFORM_API_VERSION, Platform
 
 if TYPE_CHECKING:
     current_platform: type[Platform]
 
+_selected: type[Platform] | None = None
+_role: str | None = None
+
+
+def set_current_platform(platform_cls: type[Platform] | None, role: str | None = None) -> None:
+    """Record the process's platform and role (``api``, ``engine``, ``worker``, ``offline``, or
+    None where a tool selected without a lifecycle). Called by the plugin lifecycle's select
+    phase; None forgets the selection (tests).
+
+    Side effects: custom ops dispatch on ``platform_cls.device_type`` from the next call on.
+    """
+    global _selected, _role
+    _selected, _role = platform_cls, role
+    OP_REGISTRY.select_device(platform_cls.device_type if platform_cls is not None else None)
+
+
+def process_role() -> str | None:
+    """The role the lifecycle gave this process, or None before it (or outside one)."""
+    return _role
+
 
 def __getattr__(name: str) -> Any:
     if name == "current_platform":
-        from kiln.plugins.manager import get_plugin_manager
-
-        return get_plugin_manager().select_platform()
+        if _selected is None:
+            raise RuntimeError(
+                "no platform is selected in this process yet: kiln.plugins.init_process(role, "
+                "config) selects it when the process starts (an LLM, kiln serve and the engine "
+                "process run it)"
+            )
+        return _selected
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["PLATFORM_API_VERSION", "Platform", "current_platform"]
+__all__ = [
+    "PLATFORM_API_VERSION",
+    "Platform",
+    "current_platform",
+    "process_role",
+    "set_current_platform",
+]

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.platforms import process_role
 from kiln.platforms.interface import Platform
+from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 
 if TYPE_CHECKING:
     from kiln.config import KilnConfig
@@ -82,8 +84,6 @@ class CpuPlatform(Platform):
 
     @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:
-        from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
-
         # A subclass platform may drop the section (config_section = None): then the defaults.
         options = (
             PLUGIN_CONFIG_REGISTRY.get(cls.name, config) if cls.config_section else CpuOptions()
@@ -136,10 +136,8 @@ def has_native_bf16() -> bool:
 
 def default_num_threads() -> int:
     """Usable cores, less one for the API server when this is ``kiln serve``'s engine process."""
-    from kiln.plugins.manager import get_plugin_manager
-
     cores = len(os.sched_getaffinity(0))
-    return max(1, cores - 1) if get_plugin_manager().role == "engine" else cores
+    return max(1, cores - 1) if process_role() == "engine" else cores
 
 
 def cpu_platform_plugin() -> str | None:

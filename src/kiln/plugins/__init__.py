@@ -18,14 +18,19 @@ ROLES = ("api", "engine", "worker", "offline")
 def init_process(role: str, config: KilnConfig) -> KilnConfig:
     """Run the plugin lifecycle for this process and return the platform-updated config.
 
-    Phases, each once per process: discover -> select platform -> register (general plugins,
-    then platform-scope patches) -> configure -> the platform's ``init_process(role, config)``
-    -> (workers only) worker-scope patches.
+    Phases, in this order: discover -> select platform (recorded in ``kiln.platforms``, which
+    points the custom ops' dispatch at its device type) -> register (Kiln's ops, general plugins,
+    the platform's ``register_ops``, platform-scope patches) -> configure -> the platform's
+    ``init_process(role, config)`` -> (workers only) worker-scope patches. Each runs once per
+    process, but configure, which runs for every ``config`` (the platform checks and fills each).
+    A later call may not force another platform.
 
     Raises:
         ValueError: unknown ``role``, or a config the platform or a plugin rejects.
-        PlatformSelectionError: no usable platform (see ``kiln.plugins.manager``).
+        PlatformSelectionError: no usable platform, or another than the one already selected
+            (see ``kiln.plugins.manager``).
     """
+    from kiln.platforms import set_current_platform
     from kiln.plugins.manager import get_plugin_manager
 
     if role not in ROLES:
@@ -33,7 +38,8 @@ def init_process(role: str, config: KilnConfig) -> KilnConfig:
     manager = get_plugin_manager()
     manager.role = role
     manager.discover()
-    manager.select_platform(config.device.platform)
+    platform_cls = manager.select_platform(config.device.platform)
+    set_current_platform(platform_cls, role)
     manager.load_general_plugins()
     config = manager.configure(config)
     manager.init_platform_process(config)

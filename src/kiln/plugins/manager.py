@@ -1,9 +1,11 @@
-"""The plugin lifecycle of one process: discover -> select platform -> register -> configure.
+"""The plugin lifecycle of one process: discover -> select platform -> register -> configure ->
+init-process -> (workers) init-worker.
 
-Each phase runs once per process, in that order (calling a later phase runs the earlier ones
-first). ``kiln.plugins.init_process`` drives it for every process kind (api, engine, worker); the
-manager remembers what happened to every entry point, detector, config field, registry override and
-patch, which is what ``kiln plugins`` and ``GET /debug/plugins`` show.
+``kiln.plugins.init_process`` is the one driver: it calls the phases in that order, and each phase
+does its own work only (none calls another); the process phases run once per process, configure
+once per config the process builds an engine from. The manager remembers what happened to every
+entry point, detector, config field, registry override and patch, which is what ``kiln plugins``
+and ``GET /debug/plugins`` show.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 import os
 import traceback
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 from kiln.config import AUTO, KilnConfig
@@ -62,6 +63,7 @@ class PluginManager:
     config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     patches: PatchRegistry = field(default_factory=lambda: PATCH_REGISTRY)
     phases: list[str] = field(default_factory=list)
+    """The phases that ran in this process, each named once, in the order they first ran."""
     role: str | None = None
     """What this process is: api, engine (beside an API server), worker or offline."""
 
@@ -87,7 +89,8 @@ class PluginManager:
 
     # -- phase 2: select the platform ---------------------------------------------------------
     def select_platform(self, forced: str | None = None) -> type[Platform]:
-        """Run the detectors and choose the platform.
+        """Run the detectors of the discovered platforms and choose one (once per process; later
+        calls return the choice).
 
         Rules: ``forced`` (or ``KILN_PLATFORM``) runs only that detector; otherwise exactly one
         activating out-of-tree platform wins over the built-ins, two are an error naming both,
@@ -104,7 +107,7 @@ class PluginManager:
                     f"cannot switch to {forced!r}"
                 )
             return self.choice.platform_cls
-        self.discover()
+        assert "discover" in self.phases, "select_platform runs after discover"
         forced = forced or os.environ.get(PLATFORM_ENV) or None
         builtin_names = set(BUILTIN_DETECTORS)
         if forced:
@@ -215,7 +218,7 @@ class PluginManager:
         """
         if "register" in self.phases:
             return
-        self.discover()
+        assert self.choice is not None, "the register phase runs after select_platform"
         # Kiln's own ops first: plugins register implementations for them, and the report and
         # the kit must see them whether or not a model was built in this process.
         import_builtin_ops()
@@ -238,10 +241,8 @@ class PluginManager:
             unknown = allow - {r.name for r in self.general_records}
             if unknown:
                 logger.warning("KILN_PLUGINS names plugins that are not installed: %s", unknown)
-        choice = self.choice
-        if choice is not None:
-            with registering_as(choice.name):
-                choice.platform_cls.register_ops()
+        with registering_as(self.choice.name):
+            self.choice.platform_cls.register_ops()
         self.phases.append("register")
         self.patches.apply("platform")
 
@@ -249,13 +250,16 @@ class PluginManager:
     def configure(self, config: KilnConfig) -> KilnConfig:
         """Let the platform update ``config``; validate plugin config; resolve named classes.
 
+        Runs for every config the process builds an engine from (after register); it changes no
+        process state but ``config_changes``.
+
         Raises:
             ValueError: the platform rejected a setting, or --plugin-config is invalid.
             ImportError / InterfaceError: a named class is missing or does not match its
                 interface.
         """
-        platform_cls = self.select_platform(config.device.platform)
-        self.load_general_plugins()
+        assert "register" in self.phases and self.choice, "configure runs after register"
+        platform_cls = self.choice.platform_cls
         PLUGIN_CONFIG_REGISTRY.validate(config.plugins.sections)
         updated = platform_cls.check_and_update_config(config)
         if not isinstance(updated, KilnConfig):
@@ -286,10 +290,12 @@ class PluginManager:
 
     # -- worker scope -----------------------------------------------------------------------------
     def init_worker(self) -> None:
-        """Apply worker-scope patches (called by each worker at init, after configure)."""
+        """Apply worker-scope patches, once per process (each worker calls it at init, after
+        configure)."""
+        if "init-worker" in self.phases:
+            return
         self.patches.apply("worker")
-        if "init-worker" not in self.phases:
-            self.phases.append("init-worker")
+        self.phases.append("init-worker")
 
 
 _MANAGER: PluginManager | None = None
@@ -301,10 +307,3 @@ def get_plugin_manager() -> PluginManager:
     if _MANAGER is None:
         _MANAGER = PluginManager()
     return _MANAGER
-
-
-def installed_version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None

@@ -73,6 +73,8 @@ class ModelRunner(ModelRunnerBase):
 
     # -- set-up ------------------------------------------------------------------------------------
     def load_model(self) -> None:
+        from kiln.platforms import current_platform
+
         with set_current_config(self.config):
             model, self.hf_config = load_model(
                 resolve_model_ref(self.config.model.model),
@@ -80,9 +82,8 @@ class ModelRunner(ModelRunnerBase):
                 self.device,
                 self.config.model.load_format,
                 quantization=self.config.model.quantization,
+                platform=current_platform,
             )
-        from kiln.platforms import current_platform
-
         wrapper_cls = resolve_obj_by_qualname(self.config.device.graph_wrapper_cls)
         self.model = model
         self.runnable = wrapper_cls(model, self.config)

@@ -226,3 +226,8 @@ def test_resolution(gguf_path, tiny_llama) -> None:
         resolve("int8", gguf, gguf_path, QuantizingCpuPlatform)
     with pytest.raises(ValueError, match="not supported on platform 'cpu'"):
         resolve("gguf", gguf, gguf_path, CpuPlatform)
+    # No platform (a model loaded outside an engine): auto is dense, never a platform selected;
+    # an explicit method gets Kiln's reference configs.
+    assert resolve("auto", gguf, gguf_path, None) is None
+    assert type(resolve_quant_config("gguf", gguf, gguf_path, None)) is GGUFQuantConfig
+    assert resolve("int8", folder, tiny_llama, None) == "int8"

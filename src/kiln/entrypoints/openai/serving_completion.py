@@ -31,8 +31,6 @@ from kiln.entrypoints.openai.serving_engine import OpenAIServing, Prompt, clamp,
 from kiln.entrypoints.openai.streams import sse
 from kiln.outputs import CompletionOutput, PositionLogprobs, PromptLogprobs, RequestOutput
 
-_EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
-
 
 @dataclass
 class _Choice:
@@ -97,9 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.respond(raw, ids, run.collect(outputs))
 
     async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
-        prompt = request.prompt
-        if prompt is None or prompt == "" or prompt == []:
-            raise OpenAIError(_EMPTY_PROMPT, param="prompt")
+        # An empty prompt (none, "", [], [[]], a text of no tokens) is the input processor's to
+        # refuse (EMPTY_PROMPT), like every other admission rule.
+        prompt = "" if request.prompt is None else request.prompt
         if isinstance(prompt, str):
             items: list[str | list[int]] = [prompt]
         elif all(isinstance(x, int) for x in prompt):
@@ -110,12 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for item in items:
             if isinstance(item, str):
                 token_ids = await self.encode(item, request.add_special_tokens) if item else []
-                if not token_ids:
-                    raise OpenAIError(_EMPTY_PROMPT, param="prompt")
                 prompts.append(Prompt(token_ids, item))
             else:
-                if not item:
-                    raise OpenAIError(_EMPTY_PROMPT, param="prompt")
                 prompts.append(Prompt(list(item)))
         return prompts
 

@@ -63,19 +63,25 @@ def test_forward_context_is_reset_after_an_exception() -> None:
 # -- the layer ------------------------------------------------------------------------------------
 
 
-def test_layer_defaults_to_the_platforms_backend() -> None:
-    """Outside a config, the process's platform names the backend: the reference cpu backend on
-    the cpu platform (another, such as kiln-x86's, where an installed plugin was selected)."""
-    from kiln.platforms import current_platform
+def test_layer_takes_the_configs_backend_and_outside_one_the_reference() -> None:
+    """Inside a config the layer takes the backend the platform named there; outside one (a
+    layer or model built by hand) the reference cpu backend, whatever platform is installed:
+    building a layer never selects a platform."""
+    from kiln.config import DeviceConfig, KilnConfig, set_current_config
+    from kiln.model_executor.layers.attention.backends.cpu_batch_invariant import (
+        CPUBatchInvariantAttentionBackend,
+    )
 
     layer = Attention(4, 8, 0.5, 2, prefix="x")
-    backend = get_attn_backend()
-    assert layer.backend is backend
-    assert backend is resolve_attn_backend(current_platform.get_attn_backend_cls(None))
-    assert isinstance(layer.impl, backend.get_impl_cls())
-    if current_platform.name == "cpu":
-        assert backend is CPUAttentionBackend
-        assert isinstance(layer.impl, CPUAttentionImpl)
+    assert layer.backend is get_attn_backend() is CPUAttentionBackend
+    assert isinstance(layer.impl, CPUAttentionImpl)
+    named = (
+        f"{CPUBatchInvariantAttentionBackend.__module__}."
+        f"{CPUBatchInvariantAttentionBackend.__qualname__}"
+    )
+    with set_current_config(KilnConfig(device=DeviceConfig(attention_backend=named))):
+        layer = Attention(4, 8, 0.5, 2, prefix="y")
+    assert layer.backend is CPUBatchInvariantAttentionBackend
     assert "num_kv_heads=2" in repr(layer)
 
 

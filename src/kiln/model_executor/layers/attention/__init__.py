@@ -21,6 +21,7 @@ from kiln.model_executor.layers.attention.layer import (
 from kiln.utils import resolve_obj_by_qualname
 
 __all__ = [
+    "REFERENCE_BACKEND",
     "Attention",
     "AttentionBackend",
     "AttentionImpl",
@@ -44,17 +45,21 @@ def resolve_attn_backend(qualname: str) -> type[AttentionBackend]:
     return validate_attention_backend(resolve_obj_by_qualname(qualname))
 
 
-def get_attn_backend() -> type[AttentionBackend]:
-    """The attention backend the config names (``device.attention_backend``).
+REFERENCE_BACKEND = "kiln.model_executor.layers.attention.backends.cpu.CPUAttentionBackend"
+"""The pure-PyTorch paged backend every platform's backend is checked against."""
 
-    Models are built inside ``kiln.config.set_current_config``; outside it (a test building a
-    layer by hand), the current platform's backend is used.
+
+def get_attn_backend() -> type[AttentionBackend]:
+    """The attention backend the config names (``device.attention_backend``, filled by the
+    platform when the process's lifecycle configured it).
+
+    Models are built inside ``kiln.config.set_current_config``; outside it, or with the field
+    still ``"auto"`` (a model loaded by hand, outside an engine), the reference backend. This
+    never selects a platform.
     """
     from kiln.config import AUTO, get_current_config
 
     config = get_current_config()
     if config is not None and config.device.attention_backend != AUTO:
         return resolve_attn_backend(config.device.attention_backend)
-    from kiln.platforms import current_platform
-
-    return resolve_attn_backend(current_platform.get_attn_backend_cls(config))
+    return resolve_attn_backend(REFERENCE_BACKEND)
