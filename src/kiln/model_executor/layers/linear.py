@@ -18,8 +18,9 @@ path wants.
 
 Tensor parallelism: a layer built inside ``kiln.distributed.parallel_state.set_tp_group`` keeps
 that group's rank and size. Column-parallel layers hold ``1 / tp_size`` of each fused output part
-(rank ``r`` the ``r``-th slice; key and value heads are replicated over ranks when there are fewer
-of them than ranks) and return their slice; row-parallel layers hold the matching slice of the
+(rank ``r`` the ``r``-th slice; attention heads go by whole KV groups, as evenly as they split,
+and key/value heads are replicated over ranks when there are fewer of them than ranks) and return
+their slice; row-parallel layers hold the matching slice of the
 input dimension and all-reduce their partial sums through the platform's communicator (rank 0
 holds the bias, the other ranks zeros). The collectives run outside the dispatched op, so a
 provider's ``linear`` implementation computes only its rank's product. Weight loaders take the
@@ -315,9 +316,10 @@ class ColumnParallelLinear(LinearBase):
             divide(size, self.tp_size, f"{prefix or 'layer'} output size") for size in output_sizes
         ]
 
-    def _shard_rank(self, shard_index: int) -> int:
-        """Which slice of fused part ``shard_index``'s checkpoint tensor this rank holds."""
-        return self.tp_rank
+    def _shard_start(self, shard_index: int) -> int:
+        """Where this rank's slice of fused part ``shard_index`` starts in the checkpoint
+        tensor (along the output dimension)."""
+        return self.tp_rank * self.output_partition_sizes[shard_index]
 
     def _shard_offset(self, shard_index: int) -> tuple[int, int]:
         """(offset, size) of fused part ``shard_index`` along the output dimension."""
@@ -333,8 +335,7 @@ class ColumnParallelLinear(LinearBase):
         offset, size = self._shard_offset(index)
         if self.tp_size > 1:
             # The checkpoint holds the whole part: keep this rank's slice.
-            start = self._shard_rank(index) * size
-            loaded_weight = loaded_weight.narrow(output_dim, start, size)
+            loaded_weight = loaded_weight.narrow(output_dim, self._shard_start(index), size)
         target = param.data.narrow(output_dim, offset, size)
         if target.shape != loaded_weight.shape:
             raise ValueError(
@@ -412,19 +413,29 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
     def _shard_sizes(self, output_sizes: list[int], prefix: str) -> list[int]:
-        tp = self.tp_size
-        self.num_heads = divide(self.total_num_heads, tp, "num_attention_heads")
-        if self.total_num_kv_heads >= tp:
-            self.num_kv_heads = divide(self.total_num_kv_heads, tp, "num_key_value_heads")
-            self.num_kv_head_replicas = 1
+        tp, rank = self.tp_size, self.tp_rank
+        total_heads, total_kv = self.total_num_heads, self.total_num_kv_heads
+        group = divide(total_heads, total_kv, "num_attention_heads over num_key_value_heads")
+        if total_kv >= tp:
+            # Whole KV groups per rank, as even as they go (9 heads over 3 KV heads at tp=2:
+            # 2 groups then 1), so a model whose head count tp does not divide still splits.
+            self.num_kv_heads = total_kv // tp + (1 if rank < total_kv % tp else 0)
+            self.kv_head_start = rank * (total_kv // tp) + min(rank, total_kv % tp)
+            self.num_heads = self.num_kv_heads * group
+            self.q_head_start = self.kv_head_start * group
         else:
+            # Fewer KV heads than ranks: each rank holds one, shared by tp / total_kv ranks.
+            replicas = divide(tp, total_kv, "tensor_parallel_size over num_key_value_heads")
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp, self.total_num_kv_heads, "tensor_parallel_size")
+            self.kv_head_start = rank // replicas
+            self.num_heads = divide(total_heads, tp, "num_attention_heads")
+            self.q_head_start = rank * self.num_heads
         kv_size = self.num_kv_heads * self.head_size
         return [self.num_heads * self.head_size, kv_size, kv_size]
 
-    def _shard_rank(self, shard_index: int) -> int:
-        return self.tp_rank if shard_index == 0 else self.tp_rank // self.num_kv_head_replicas
+    def _shard_start(self, shard_index: int) -> int:
+        head = self.q_head_start if shard_index == 0 else self.kv_head_start
+        return head * self.head_size
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None
@@ -441,7 +452,9 @@ class RowParallelLinear(LinearBase):
     """Input dimension split across ranks; the partial products are summed over ranks (an
     all-reduce through the group's communicator); only rank 0 adds the bias.
 
-    ``input_size`` is the whole model's; this rank holds ``input_size / tp_size`` columns.
+    ``input_size`` is the whole model's; this rank holds ``input_size / tp_size`` columns, or
+    the ``input_shard=(offset, size)`` given (an attention output projection takes the columns
+    of its rank's heads, which need not split evenly: see ``QKVParallelLinear``).
     """
 
     def __init__(
@@ -453,10 +466,14 @@ class RowParallelLinear(LinearBase):
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
         tp_size: int | None = None,
+        input_shard: tuple[int, int] | None = None,
     ) -> None:
         group = tp_group_for(tp_size)
         self.tp_group, self.tp_rank, self.tp_size = group, group.rank, group.world_size
-        local_input = divide(input_size, self.tp_size, f"{prefix or 'layer'} input size")
+        if input_shard is None:
+            size = divide(input_size, self.tp_size, f"{prefix or 'layer'} input size")
+            input_shard = (self.tp_rank * size, size)
+        self.input_start, local_input = input_shard
         super().__init__(local_input, [output_size], bias, params_dtype, quant_config, prefix)
         check_unsharded_method(self.quant_method, self.tp_size, prefix)
 
@@ -475,8 +492,7 @@ class RowParallelLinear(LinearBase):
             return
         if self.tp_size > 1 and shard_id is None:
             # The weight [output, input]: keep this rank's input columns.
-            size = param.shape[1]
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+            loaded_weight = loaded_weight.narrow(1, self.input_start, param.shape[1])
         default_weight_loader(param, loaded_weight, shard_id)
 
 

@@ -167,6 +167,7 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype,
             quant_config=quant_config,
             prefix=join_prefix(prefix, "o_proj"),
+            input_shard=(self.qkv_proj.q_head_start * args.head_dim, self.q_size),
         )
         # One instance shared by every layer (its cos/sin cache is the same).
         self.rotary_emb = rotary_emb
