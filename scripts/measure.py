@@ -42,8 +42,9 @@ LAYERS: list[list[str]] = [
     ["platforms", "tokenizer"],
     # Discovery, selection, lifecycle, introspection of plugins.
     ["plugins"],
-    # Scheduling and the KV cache: token ids only.
-    ["scheduler"],
+    # Scheduling and the KV cache: token ids only; structured outputs' grammars and bitmasks,
+    # which the scheduler fills and the front end checks at admission.
+    ["scheduler", "structured_output"],
     ["worker", "executor"],
     # The front end (input and output processing) and the engine core's loop and process.
     ["engine"],

@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from kiln.sampling_params import SamplingParams
 
@@ -125,6 +126,12 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     """Requests finished or preempted since the last step: the runner drops their state."""
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    """Structured-output requests that sample this step, in the rows' order of
+    ``grammar_bitmask``."""
+    grammar_bitmask: np.ndarray | None = None
+    """[len(structured_output_request_ids), ceil(V / 32)] int32: bit ``t % 32`` of word
+    ``t // 32`` set when token ``t`` may be sampled next (the runner masks the rest)."""
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Frontend:
             config.model.max_logprobs,
             self.tokenizer.eos_token_id,
             vocab_size=int(hf_config.get("vocab_size") or self.tokenizer.vocab_size),
+            structured_outputs_backend=config.structured_outputs.backend,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

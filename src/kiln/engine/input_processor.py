@@ -24,6 +24,7 @@ import msgspec
 
 from kiln.messages import EngineCoreRequest
 from kiln.sampling_params import SamplingParams
+from kiln.structured_output import validate_structured_outputs
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 """A text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (vLLM's
@@ -107,6 +108,8 @@ class InputProcessor:
         generation_config: the model's generation config (``eos_token_id`` may list extra ids
             that end generation); the tokenizer's extra EOS ids are added to it.
         vocab_size: number of valid token ids; default: the tokenizer's.
+        structured_outputs_backend: ``structured_outputs.backend``: the grammar engine that must
+            read a request's ``structured_outputs`` (checked here, before the engine sees it).
     """
 
     def __init__(
@@ -118,8 +121,10 @@ class InputProcessor:
         generation_config: Mapping[str, Any] | None = None,
         *,
         vocab_size: int | None = None,
+        structured_outputs_backend: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
@@ -157,7 +162,8 @@ class InputProcessor:
             PromptError: the prompt is empty (``EMPTY_PROMPT``), has token ids outside the
                 vocabulary, or does not fit ``max_model_len`` (with ``max_tokens`` when set).
             ValueError: the prompt is of the wrong type; the params ask for more
-                logprobs than ``max_logprobs`` or name token ids outside the vocabulary.
+                logprobs than ``max_logprobs`` or name token ids outside the vocabulary; their
+                ``structured_outputs`` spec is one the grammar engine cannot read.
         """
         prompt_token_ids = self._tokenize(prompt, prompt_name)
         params = params.clone()
@@ -246,6 +252,8 @@ class InputProcessor:
                 raise ValueError(
                     f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {token_id}"
                 )
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.messages import EngineCoreRequest, FinishReason
 from kiln.sampling_params import SamplingParams
@@ -17,6 +19,8 @@ from kiln.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()
+    """Its structured-output grammar is still compiling; not schedulable until it is ready."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -25,6 +29,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
     """Never ran: the prompt cannot fit in the KV cache or the context."""
+    FINISHED_ERROR = enum.auto()
+    """Never ran: its structured-output grammar failed or timed out compiling."""
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -40,6 +46,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -62,6 +69,13 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of the request's full blocks, filled by the KV-cache manager."""
+    grammar: Future[Any] | None = None
+    """Structured outputs: the compile of the request's grammar (None: unconstrained)."""
+    matcher: Any = None
+    """Structured outputs: the request's own grammar matcher, advanced by its output tokens;
+    made when the grammar is ready and kept through preemption (the output tokens stay)."""
+    grammar_wait_start: float = 0.0
+    """``time.monotonic()`` when the request started waiting for its grammar."""
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

@@ -39,6 +39,7 @@ from kiln.model_executor.layers.attention import (
     bind_kv_cache,
     resolve_attn_backend,
 )
+from kiln.model_executor.layers.token_bitmask import ApplyTokenBitmask
 from kiln.model_executor.loader import resolve_model_ref
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
 from kiln.sampling.sampler import Sampler, compute_prompt_logprobs
@@ -61,6 +62,7 @@ class ModelRunner(ModelRunnerBase):
         self.block_size = config.cache.block_size
         self.attn_backend = resolve_attn_backend(config.device.attention_backend)
         self.sampler = Sampler()
+        self.apply_token_bitmask = ApplyTokenBitmask()
         self.model: Any = None
         self.graph_sizes: list[int] = []
         """Decode buckets, ascending (empty: no graphs, no padding); set by ``load_model``."""
@@ -162,6 +164,8 @@ class ModelRunner(ModelRunnerBase):
             for i in np.flatnonzero(is_partial).tolist()
             if i in metadata.generators
         }
+        if scheduler_output.grammar_bitmask is not None:
+            logits = self._apply_grammar_bitmask(logits, rows, scheduler_output)
         sampler_output = self.sampler(logits, metadata)
         for i, state in saved.items():
             metadata.generators[i].set_state(state)
@@ -198,6 +202,20 @@ class ModelRunner(ModelRunnerBase):
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )
+
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, rows: list[int], scheduler_output: SchedulerOutput
+    ) -> torch.Tensor:
+        """Structured outputs: forbid what each grammar forbids, before the sampler, so logprobs
+        see the masked distribution too (as vLLM applies it before its sampler)."""
+        assert scheduler_output.grammar_bitmask is not None
+        batch = self.input_batch
+        assert batch is not None
+        index = {batch.req_ids[row]: i for i, row in enumerate(rows)}
+        logit_rows = [index[req_id] for req_id in scheduler_output.structured_output_request_ids]
+        bitmask = torch.from_numpy(scheduler_output.grammar_bitmask).to(self.device)
+        logit_rows_t = torch.tensor(logit_rows, dtype=torch.int64).to(self.device)
+        return self.apply_token_bitmask(logits, bitmask, logit_rows_t)  # [num_reqs, V]
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -1,0 +1,278 @@
+"""Grammar engines behind one small interface: xgrammar and llguidance ("guidance", as vLLM).
+
+Contract: a backend turns a ``StructuredOutputsParams`` into a compiled ``Grammar`` (``compile``,
+slow: seconds for a big schema, so the manager runs it in a thread) or checks it without a
+tokenizer (``validate``, fast: the admission check). A grammar makes one ``Matcher`` per request;
+a matcher fills one row of a token bitmask (int32 ``[rows, ceil(V / 32)]``, bit ``t % 32`` of
+word ``t // 32`` set when token ``t`` is allowed: both engines use this layout) and advances by
+the tokens the request accepted. EOS (the tokenizer's stop ids) is allowed only where the grammar
+is complete.
+
+Backend errors become ``ValueError`` s that name the request field, so the API server answers
+them with a 400.
+
+What it must not know: requests, scheduling, tensors beyond the bitmask rows it fills.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import torch
+
+from kiln.sampling_params import StructuredOutputsParams
+
+BACKENDS = ("xgrammar", "guidance")
+
+
+class Matcher(Protocol):
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (state unchanged) when the grammar forbids it."""
+        ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]``."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        ...
+
+
+class Grammar(Protocol):
+    def make_matcher(self) -> Matcher: ...
+
+
+def _field(params: StructuredOutputsParams) -> str:
+    return f"structured_outputs.{params.kind}"
+
+
+def _schema(params: StructuredOutputsParams) -> dict[str, Any]:
+    if params.kind == "json_object":
+        return {"type": "object"}
+    schema = params.json
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    if params.disable_additional_properties:
+        schema = _no_additional_properties(schema)
+    assert isinstance(schema, dict)
+    return schema
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object that does not say."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def _choice_literals(choices: list[str]) -> str:
+    # JSON string escapes are what both grammar languages read inside "...".
+    return " | ".join(json.dumps(c) for c in choices)
+
+
+# -- xgrammar ----------------------------------------------------------------------------------
+
+
+class _XGrammarMatcher:
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class _XGrammar:
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+
+    def make_matcher(self) -> Matcher:
+        import xgrammar
+
+        return _XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
+
+
+class XGrammarBackend:
+    """xgrammar: compiles token masks ahead, so the per-token mask is cheap (the default)."""
+
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        # One thread per compile: the manager's pool runs several compiles at once.
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        compiler = self._compiler
+        kind = params.kind
+        try:
+            if kind in ("json", "json_object"):
+                compiled = compiler.compile_json_schema(
+                    json.dumps(_schema(params)), any_whitespace=not params.disable_any_whitespace
+                )
+            elif kind == "regex":
+                compiled = compiler.compile_regex(params.regex)
+            elif kind == "choice":
+                assert params.choice is not None
+                compiled = compiler.compile_grammar("root ::= " + _choice_literals(params.choice))
+            else:
+                compiled = compiler.compile_grammar(params.grammar)
+        except RuntimeError as exc:
+            raise ValueError(f"{_field(params)} is invalid: {_xgrammar_message(exc)}") from None
+        return _XGrammar(compiled)
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        """Parse ``params`` without a tokenizer.
+
+        Raises:
+            ValueError: xgrammar cannot read it (names the field and the problem).
+        """
+        import xgrammar
+
+        kind = params.kind
+        try:
+            if kind in ("json", "json_object"):
+                xgrammar.Grammar.from_json_schema(json.dumps(_schema(params)))
+            elif kind == "regex":
+                xgrammar.Grammar.from_regex(params.regex)
+            elif kind == "grammar":
+                xgrammar.Grammar.from_ebnf(params.grammar)
+        except RuntimeError as exc:
+            raise ValueError(f"{_field(params)} is invalid: {_xgrammar_message(exc)}") from None
+
+
+def _xgrammar_message(exc: Exception) -> str:
+    # "[19:37:00] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the message.
+    text = str(exc).strip()
+    head, sep, tail = text.partition(".cc:")
+    if sep and head.startswith("["):
+        text = tail.partition(": ")[2] or text
+    return text
+
+
+# -- llguidance --------------------------------------------------------------------------------
+
+
+class _GuidanceMatcher:
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.consume_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+
+class _GuidanceGrammar:
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        self._tokenizer = tokenizer
+        self._grammar = grammar
+
+    def make_matcher(self) -> Matcher:
+        import llguidance
+
+        return _GuidanceMatcher(llguidance.LLMatcher(self._tokenizer, self._grammar))
+
+
+class GuidanceBackend:
+    """llguidance: compiles almost nothing ahead (fast compile), computes masks per token."""
+
+    name = "guidance"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import llguidance.hf
+
+        del stop_token_ids  # llguidance takes the tokenizer's EOS
+        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        grammar = self.grammar_text(params)
+        self._check(params, grammar, self._tokenizer)
+        return _GuidanceGrammar(self._tokenizer, grammar)
+
+    @staticmethod
+    def grammar_text(params: StructuredOutputsParams) -> str:
+        import llguidance
+
+        kind = params.kind
+        if kind in ("json", "json_object"):
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                _schema(params),
+                defaults={"whitespace_flexible": not params.disable_any_whitespace},
+            )
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            assert params.choice is not None
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + _choice_literals(params.choice)
+            )
+        assert params.grammar is not None
+        return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+    @staticmethod
+    def _check(params: StructuredOutputsParams, grammar: str, tokenizer: Any) -> None:
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise ValueError(f"{_field(params)} is invalid: {error.strip()}")
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        """Check ``params`` without a tokenizer.
+
+        Raises:
+            ValueError: llguidance cannot read it (names the field and the problem).
+        """
+        cls._check(params, cls.grammar_text(params), None)
+
+
+BACKEND_CLASSES: dict[str, type[XGrammarBackend] | type[GuidanceBackend]] = {
+    "xgrammar": XGrammarBackend,
+    "guidance": GuidanceBackend,
+}
+
+
+def choose_backend(params: StructuredOutputsParams, configured: str) -> str:
+    """The backend that runs ``params``: the configured one, or for ``"auto"`` xgrammar unless it
+    refuses the spec and llguidance takes it.
+
+    Raises:
+        ValueError: the chosen backend (for ``"auto"``: both) cannot read the spec; the message is
+            xgrammar's for ``"auto"``.
+    """
+    if configured != "auto":
+        BACKEND_CLASSES[configured].validate(params)
+        return configured
+    try:
+        XGrammarBackend.validate(params)
+        return "xgrammar"
+    except ValueError as xgrammar_error:
+        try:
+            GuidanceBackend.validate(params)
+        except ValueError:
+            raise xgrammar_error from None
+        return "guidance"

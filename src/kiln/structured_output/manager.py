@@ -1,0 +1,155 @@
+"""The engine core's side of structured outputs: compile grammars off the loop, fill bitmasks.
+
+Contract (vLLM v1's ``StructuredOutputManager``):
+
+- ``submit(params)`` starts compiling a request's grammar in a thread pool and returns at once;
+  compiles are cached by ``(backend, kind, spec)``, so a second request with the same schema
+  shares the first one's (even while it still compiles). The scheduler keeps such a request in
+  ``WAITING_FOR_GRAMMAR`` and schedules the others meanwhile.
+- ``make_matcher(future)`` makes the request's own matcher once the compile is done (each child
+  of an ``n > 1`` request gets its own).
+- ``fill_bitmask(matchers)`` fills one row per matcher, for the requests that sample this step;
+  the rows travel to the runner in ``SchedulerOutput.grammar_bitmask``.
+
+The tokenizer (needed by the grammar engines) is loaded on the first structured request, so
+engines that never see one pay nothing.
+
+What it must not know: scheduling policy, the model, devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.config import KilnConfig
+from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.backends import BACKEND_CLASSES, Grammar, Matcher, choose_backend
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+
+def load_config_tokenizer(config: KilnConfig) -> Any:
+    """The model's tokenizer, as the front end loads it."""
+    from kiln.model_executor.loader import get_loader, resolve_model_ref
+    from kiln.tokenizer import load_tokenizer
+
+    model_ref = resolve_model_ref(config.model.model)
+    loader = get_loader(model_ref, config.model.load_format)
+    return load_tokenizer(config.model.tokenizer or loader.tokenizer_source(model_ref))
+
+
+class StructuredOutputManager:
+    """Grammar compiles (threads, cache) and bitmasks for one engine core.
+
+    Args:
+        config: reads ``structured_outputs.backend`` and ``model.*`` (to load the tokenizer).
+        vocab_size: the logits' width; bitmask rows cover ``ceil(vocab_size / 32)`` words.
+        load_tokenizer: ``config -> Tokenizer``; the default loads the model's.
+    """
+
+    def __init__(
+        self,
+        config: KilnConfig,
+        vocab_size: int | None = None,
+        load_tokenizer: Callable[[KilnConfig], Any] = load_config_tokenizer,
+    ) -> None:
+        self.config = config
+        self.backend_name = config.structured_outputs.backend
+        self.max_compile_seconds = config.structured_outputs.max_compile_seconds
+        self._vocab_size = vocab_size
+        self._load_tokenizer = load_tokenizer
+        self._tokenizer: Any = None
+        self._backends: dict[str, Any] = {}
+        self._lock = threading.RLock()  # the backends are built in pool threads
+        self._cache: OrderedDict[tuple[str, tuple], Future[Grammar]] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        if self._vocab_size is None:
+            self._vocab_size = self._get_tokenizer().vocab_size
+        assert self._vocab_size is not None
+        return self._vocab_size
+
+    def submit(self, params: StructuredOutputsParams) -> Future[Grammar]:
+        """The compile of ``params``' grammar: cached, or started now in the pool.
+
+        A spec no backend reads gives a future that raises ``ValueError`` (the front end checks
+        specs first, so this is a guard).
+        """
+        try:
+            backend_name = choose_backend(params, self.backend_name)
+        except ValueError as exc:
+            failed: Future[Grammar] = Future()
+            failed.set_exception(exc)
+            return failed
+        key = (backend_name, params.key)
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        if self._executor is None:
+            num_threads = max(1, min(4, (os.cpu_count() or 1) // 2))
+            self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="kiln-grammar")
+        future = self._executor.submit(self._compile, backend_name, params)
+        self._cache[key] = future
+        if len(self._cache) > MAX_CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
+        return future
+
+    def make_matcher(self, future: Future[Grammar]) -> Matcher:
+        """A fresh matcher of a finished compile (raises what the compile raised)."""
+        return future.result(timeout=0).make_matcher()
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, ceil(V / 32)] int32, every token allowed."""
+        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def fill_bitmask(self, matchers: Sequence[Matcher]) -> np.ndarray:
+        """[len(matchers), ceil(V / 32)] int32: row ``i`` is what ``matchers[i]`` allows next."""
+        bitmask = self.allocate_bitmask(len(matchers))
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, row)
+        return bitmask.numpy()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _get_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer(self.config)
+            return self._tokenizer
+
+    def _compile(self, backend_name: str, params: StructuredOutputsParams) -> Grammar:
+        tokenizer = self._get_tokenizer()
+        with self._lock:
+            backend = self._backends.get(backend_name)
+            if backend is None:
+                backend = BACKEND_CLASSES[backend_name](
+                    tokenizer.hf_tokenizer, self.vocab_size, sorted(tokenizer.eos_token_ids)
+                )
+                self._backends[backend_name] = backend
+        return backend.compile(params)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> None:
+    """The admission check: ``params`` compiles with the configured backend (``"auto"``: one).
+
+    Raises:
+        ValueError: names the field and the backend's complaint.
+    """
+    choose_backend(params, backend)

@@ -1,0 +1,179 @@
+"""The scheduler with structured outputs, no model: grammars compile off the loop (a request
+waits for its own without stalling the others), bitmask rows follow the grammar, matchers advance
+with the sampled tokens, and a compile that fails or overruns ends only its request.
+
+The grammars are real (xgrammar and llguidance on the default model's tokenizer); the "model" is
+a runner that samples the lowest token the step's bitmask allows, so what it generates is what
+the mask lets through.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from kiln.config import (
+    CacheConfig,
+    KilnConfig,
+    ModelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
+from kiln.messages import FinishReason, ModelRunnerOutput, SchedulerOutput
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.scheduler.request import Request, RequestStatus
+from kiln.scheduler.scheduler import Scheduler
+from kiln.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    return load_tokenizer(gguf_path)
+
+
+def make_scheduler(tokenizer, backend="auto", max_compile_seconds=30.0, num_blocks=64):
+    config = KilnConfig(
+        model=ModelConfig(max_model_len=256),
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        structured_outputs=StructuredOutputsConfig(
+            backend=backend, max_compile_seconds=max_compile_seconds
+        ),
+    )
+    scheduler = Scheduler(config, num_blocks)
+    # The engine core loads the model's tokenizer itself; here the test hands it over.
+    scheduler.structured_output_manager._load_tokenizer = lambda config: tokenizer
+    return scheduler
+
+
+def make_request(tokenizer, request_id, structured=None, max_tokens=24, prompt=(5, 6, 7)):
+    params = SamplingParams(max_tokens=max_tokens, structured_outputs=structured)
+    return Request(request_id, list(prompt), params, eos_token_id=tokenizer.eos_token_id)
+
+
+def lowest_allowed(bitmask_row: np.ndarray) -> int:
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")
+    return int(np.flatnonzero(bits)[0])
+
+
+def step(scheduler: Scheduler, seen: list[SchedulerOutput]):
+    so = scheduler.schedule()
+    seen.append(so)
+    rows = {req_id: i for i, req_id in enumerate(so.structured_output_request_ids)}
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        if request.num_computed_tokens + so.num_scheduled_tokens[req_id] < request.num_tokens:
+            sampled.append([])
+        elif req_id in rows:
+            sampled.append([lowest_allowed(so.grammar_bitmask[rows[req_id]])])
+        else:
+            sampled.append([100])
+    output = ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+    return scheduler.update_from_output(so, output)
+
+
+def run(scheduler, max_steps=200):
+    texts: dict[str, list[int]] = {}
+    finish: dict[str, FinishReason] = {}
+    seen: list[SchedulerOutput] = []
+    scheduler.num_preempted = 0  # summed over the steps' stats
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        outputs = step(scheduler, seen)
+        scheduler.num_preempted += outputs.scheduler_stats.num_preemptions
+        for out in outputs.outputs:
+            texts.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finish[out.request_id] = out
+    return texts, finish, seen
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_the_mask_decides_the_output_and_eos_comes_when_the_grammar_is_complete(tokenizer, backend):
+    scheduler = make_scheduler(tokenizer, backend)
+    scheduler.add_request(
+        make_request(tokenizer, "r", StructuredOutputsParams(regex=r"(ab|cd)[0-9]{3}"))
+    )
+    scheduler.add_request(
+        make_request(tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]))
+    )
+    tokens, finish, _ = run(scheduler)
+    eos = tokenizer.eos_token_id
+    for request_id, pattern in (("r", r"(ab|cd)[0-9]{3}"), ("c", "yes|no")):
+        assert tokens[request_id][-1] == eos, tokens[request_id]
+        assert finish[request_id].finish_reason == FinishReason.STOP
+        text = tokenizer.decode(tokens[request_id][:-1])
+        assert re.fullmatch(pattern, text), text
+
+
+def test_a_request_waiting_for_its_grammar_does_not_stall_the_others(tokenizer):
+    scheduler = make_scheduler(tokenizer)
+    manager = scheduler.structured_output_manager
+    slow: Future = Future()  # a compile that has not finished yet
+    real_submit = manager.submit
+    manager.submit = lambda params: slow
+    scheduler.add_request(make_request(tokenizer, "slow", StructuredOutputsParams(regex="[0-9]+")))
+    manager.submit = real_submit
+    scheduler.add_request(make_request(tokenizer, "plain", max_tokens=3))
+    seen: list[SchedulerOutput] = []
+    for _ in range(3):
+        step(scheduler, seen)
+    assert all("slow" not in so.num_scheduled_tokens for so in seen)
+    assert "plain" not in scheduler.requests  # done: 3 tokens while "slow" waited
+    assert scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_GRAMMAR
+    assert scheduler.get_request_counts() == (0, 1)
+    slow.set_result(real_submit(StructuredOutputsParams(regex="[0-9]+")).result(timeout=30))
+    tokens, finish, seen = run(scheduler)
+    assert seen[0].structured_output_request_ids == ["slow"]
+    assert re.fullmatch("[0-9]+", tokenizer.decode(tokens["slow"][:-1]))
+
+
+def test_a_compile_past_the_limit_or_failing_ends_only_its_request(tokenizer):
+    scheduler = make_scheduler(tokenizer, max_compile_seconds=0.05)
+    manager = scheduler.structured_output_manager
+    real_submit = manager.submit
+    manager.submit = lambda params: Future()  # never finishes
+    scheduler.add_request(make_request(tokenizer, "stuck", StructuredOutputsParams(regex="a")))
+    manager.submit = real_submit
+    # Past the admission check (which refuses this spec): the engine must still survive it.
+    bad = make_request(tokenizer, "bad", StructuredOutputsParams(grammar="root ::= undefined"))
+    scheduler.add_request(bad)
+    scheduler.add_request(make_request(tokenizer, "plain", max_tokens=2))
+    time.sleep(0.1)
+    _, finish, _ = run(scheduler)
+    assert finish["plain"].finish_reason == FinishReason.LENGTH
+    for request_id, message in (("stuck", "did not compile within 0.05 s"), ("bad", "undefined")):
+        assert finish[request_id].finish_reason == FinishReason.ERROR
+        assert message in finish[request_id].stop_reason
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_grammars_are_cached_by_spec(tokenizer):
+    manager = make_scheduler(tokenizer).structured_output_manager
+    first = manager.submit(StructuredOutputsParams(json={"type": "object", "required": []}))
+    same = manager.submit(StructuredOutputsParams(json='{"required": [], "type": "object"}'))
+    other = manager.submit(StructuredOutputsParams(json={"type": "array"}))
+    assert first is same and first is not other
+    first.result(timeout=30)
+
+
+def test_preemption_keeps_the_matcher_and_the_output_valid(tokenizer):
+    # 11 usable blocks of 4 slots: two requests of 3 + up to 41 tokens cannot both fit.
+    scheduler = make_scheduler(tokenizer, num_blocks=12)
+    pattern = r"[a-z]{20}[0-9]{20}"
+    for i in range(2):
+        scheduler.add_request(
+            make_request(tokenizer, f"p{i}", StructuredOutputsParams(regex=pattern), max_tokens=41)
+        )
+    tokens, finish, _ = run(scheduler, max_steps=400)
+    assert scheduler.num_preempted > 0
+    for i in range(2):
+        assert finish[f"p{i}"].finish_reason == FinishReason.STOP
+        assert re.fullmatch(pattern, tokenizer.decode(tokens[f"p{i}"][:-1]))
