@@ -7,6 +7,14 @@ made with ``KilnConfig.replace(section__field=value)`` (``config.replace(device_
 ``check_and_update_config`` hands back what it changed and how Kiln records the difference for
 ``kiln plugins``.
 
+The engine flags (``kiln serve``, ``LLM``'s keywords) are made from these fields by
+``kiln.engine.arg_utils``: name, type, default and the docstring as help. A field's ``metadata``
+says only what differs from that: ``choices``, ``aliases`` (``-q``), ``metavar``, ``positional``,
+``flag`` (another name), ``parse`` (a converter from the user's form, ``"40%"``, to
+``{field: value}`` of the section) and ``set_by`` (no flag of its own: the named flag's ``parse``
+sets it). The class fields a platform fills (``kiln.plugins.interfaces.CLASS_FIELDS``) are not
+flags.
+
 This module knows nothing about platforms or plugins beyond the names of the fields a platform
 fills.
 """
@@ -24,10 +32,14 @@ from typing import Any
 AUTO = "auto"
 """A class field left for the platform to fill."""
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+"""Values of ``model.dtype``."""
 
 QUANTIZATION_METHODS = ("auto", "gguf", "int8", "int4", "none")
 """Values of ``model.quantization`` (None means ``"auto"``)."""
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+"""Values of ``parallel.distributed_executor_backend``."""
 
 
 def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
@@ -35,17 +47,84 @@ def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
 
 
+# -- converters from a flag's user form to the config fields it sets (``metadata["parse"]``) ------
+
+
+def parse_kv_cache_memory(value: float | str | None) -> dict[str, float | None]:
+    """``--kv-cache-memory``: a number is GiB, ``"N%"`` a share of free memory.
+
+    Raises:
+        ValueError: neither form (the message shows both).
+    """
+    if value is None:
+        return {"kv_cache_memory": None, "kv_cache_memory_fraction": None}
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            return {"kv_cache_memory": None, "kv_cache_memory_fraction": float(text[:-1]) / 100}
+        return {"kv_cache_memory": float(text), "kv_cache_memory_fraction": None}
+    except ValueError:
+        raise ValueError(
+            f"kv_cache_memory={value!r} is invalid; allowed: a size in GiB like 2 or 0.5, or a "
+            "share of free memory like 40%"
+        ) from None
+
+
+def parse_graph_capture_sizes(
+    value: list[int] | tuple[int, ...] | str | None,
+) -> dict[str, tuple[int, ...] | None]:
+    """``--graph-capture-sizes``: ``"1,2,4"`` or a list of ints; ``""`` is no sizes.
+
+    Raises:
+        ValueError: an entry is not an integer >= 1.
+    """
+    if value is None:
+        return {"graph_capture_sizes": None}
+    items = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+    sizes = []
+    for item in items:
+        size = int(item) if isinstance(item, int) or str(item).isdigit() else 0
+        if size < 1:
+            raise ValueError(
+                f"graph_capture_sizes={value!r} is invalid; allowed: batch sizes >= 1 like "
+                "'1,2,4,8' or [1, 2, 4, 8], or '' for none"
+            )
+        sizes.append(size)
+    return {"graph_capture_sizes": tuple(sizes)}
+
+
+def parse_plugin_config(
+    value: str | dict[str, dict[str, Any]] | None,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``--plugin-config``: JSON (or, from Python, a dict) of sections by plugin name.
+
+    Raises:
+        ValueError: not JSON, or not an object of objects.
+    """
+    if not value:
+        return {"sections": {}}
+    try:
+        data = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--plugin-config is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(
+            '--plugin-config must be a JSON object of sections, like \'{"name": {"key": 1}}\''
+        )
+    return {"sections": data}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What model to serve and how to read it."""
 
-    model: str | None = None
+    model: str | None = field(default=None, metadata={"positional": True})
     """A GGUF file, a local Hugging Face folder, or a hub id; None serves the embedded default."""
     served_model_name: str | None = None
     """The name clients use in ``model``; defaults to the model's own name."""
     tokenizer: str | None = None
     """Where to read the tokenizer from when it is not beside the weights."""
-    dtype: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
     """Compute dtype: auto (the platform's preferred), float32, float16 or bfloat16."""
     max_model_len: int | None = None
     """Context length (prompt + output); None takes the model's own, capped by the platform."""
@@ -62,7 +141,9 @@ class ModelConfig:
     seeded sampling, equal a run of the request alone. Costs throughput; a platform that cannot
     honour it refuses it (the cpu platform: bfloat16 only). See ``SamplingParams.seed`` for what
     else changes numerics (chunked prompts, prefix-cache hits, preemption)."""
-    quantization: str | None = None
+    quantization: str | None = field(
+        default=None, metadata={"choices": QUANTIZATION_METHODS, "aliases": ("-q",)}
+    )
     """How weights are kept in memory. None or auto: a quantized GGUF file stays quantized where
     the platform supports "gguf" (``Platform.supported_quantization``), else it is dequantized at
     load; gguf: keep GGUF blocks (an error where the platform cannot); int8 / int4: quantize a
@@ -70,7 +151,7 @@ class ModelConfig:
     the platform supports it; none: dense weights in ``dtype``."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in _DTYPES, "model.dtype", self.dtype, f"one of {list(_DTYPES)}")
+        _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {list(DTYPES)}")
         _check(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,
             "model.quantization",
@@ -98,11 +179,16 @@ class CacheConfig:
 
     block_size: int = 16
     """Token slots per KV-cache block."""
-    kv_cache_memory: float | None = None
-    """KV-cache size in GiB (0.25 is 256 MiB); None: see ``kv_cache_memory_fraction``."""
-    kv_cache_memory_fraction: float | None = None
-    """KV-cache size as a fraction of the memory free after the model loads, in (0, 1]; with
-    neither set the worker takes its default."""
+    kv_cache_memory: float | None = field(
+        default=None, metadata={"metavar": "GIB|PCT%", "parse": parse_kv_cache_memory}
+    )
+    """KV-cache size in GiB (2, or 0.25 for 256 MiB); as a flag or keyword also a share of the
+    memory free after the model loads ("40%", which sets ``kv_cache_memory_fraction``). Neither
+    set: the worker's default, 40% of free memory, at most 4 GiB."""
+    kv_cache_memory_fraction: float | None = field(
+        default=None, metadata={"set_by": "kv_cache_memory"}
+    )
+    """KV-cache size as a fraction of the memory free after the model loads, in (0, 1]."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests whose prompts start the same way."""
 
@@ -168,9 +254,11 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model is split over devices and processes."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     """Devices one copy of the model is split over."""
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str = field(
+        default="uni", metadata={"choices": EXECUTOR_BACKENDS}
+    )
     """uni (in the engine core), mp (a process per rank) or ray (many machines)."""
 
     def __post_init__(self) -> None:
@@ -181,10 +269,10 @@ class ParallelConfig:
             "an integer >= 1",
         )
         _check(
-            self.distributed_executor_backend in ("uni", "mp", "ray"),
+            self.distributed_executor_backend in EXECUTOR_BACKENDS,
             "parallel.distributed_executor_backend",
             self.distributed_executor_backend,
-            "one of ['uni', 'mp', 'ray']",
+            f"one of {list(EXECUTOR_BACKENDS)}",
         )
 
 
@@ -206,12 +294,15 @@ class DeviceConfig:
     """Dotted path of the device communicator class (filled by the platform)."""
     graph_wrapper_cls: str = AUTO
     """Dotted path of the graph-capture wrapper class (filled by the platform)."""
-    graph_capture_sizes: tuple[int, ...] | None = None
+    graph_capture_sizes: tuple[int, ...] | None = field(
+        default=None, metadata={"metavar": "N,N,...", "parse": parse_graph_capture_sizes}
+    )
     """Decode batch sizes (buckets) the graph wrapper captures at start-up; a decode step of
     ``n`` requests is padded to the smallest bucket ``>= n``, and other steps (prefill, mixed,
     above the largest bucket) run eagerly. ``None``: the platform's choice, which is none where it
     captures nothing (``supports_graph_capture = False``), else 1, 2, 4, 8, 16, then every 16, up
-    to ``max_num_seqs`` (see ``kiln.worker.graph.graph_capture_sizes``); ``()``: no capture."""
+    to ``max_num_seqs`` (see ``kiln.worker.graph.graph_capture_sizes``); ``()``: no capture. As a
+    flag: "1,2,4,8" ("" for none)."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_capture_sizes
@@ -227,71 +318,12 @@ class DeviceConfig:
 class PluginConfig:
     """Settings for plugins: raw sections by plugin name, validated against what each declares."""
 
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """``{"plugin-name": {...}}`` as given to ``--plugin-config``; see ``kiln.plugins.config``."""
-
-
-STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
-"""Values of ``structured_outputs.backend`` (``"guidance"`` is llguidance, as in vLLM)."""
-
-
-def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[str, Any]:
-    """``--structured-outputs-config``: JSON (or, from Python, a dict) of
-    ``StructuredOutputsConfig`` fields, ``'{"backend": "xgrammar"}'``.
-
-    Raises:
-        ValueError: not JSON, not an object, or a key that is no field (names the allowed ones).
-    """
-    if not value:
-        return {}
-    try:
-        data = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from exc
-    allowed = [f.name for f in dataclasses.fields(StructuredOutputsConfig)]
-    if not isinstance(data, dict) or not set(data) <= set(allowed):
-        raise ValueError(
-            f"structured_outputs_config={value!r} is invalid; allowed: a JSON object with keys in "
-            f'{allowed}, like \'{{"backend": "xgrammar"}}\''
-        )
-    return data
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """Structured outputs (JSON schema, regex, choice, grammar): the grammar engine and its bounds.
-
-    All fields are set by one flag, ``--structured-outputs-config '{"backend": "guidance"}'``."""
-
-    backend: str = field(
-        default="auto",
-        metadata={
-            "flag": "structured_outputs_config",
-            "metavar": "JSON",
-            "parse": parse_structured_outputs_config,
-        },
+    sections: dict[str, dict[str, Any]] = field(
+        default_factory=dict,
+        metadata={"flag": "plugin_config", "metavar": "JSON", "parse": parse_plugin_config},
     )
-    """Grammar engine: "xgrammar", "guidance" (llguidance), or "auto": xgrammar, and llguidance for
-    a spec xgrammar does not support."""
-    max_compile_seconds: float = field(
-        default=30.0, metadata={"set_by": "structured_outputs_config"}
-    )
-    """A request whose grammar has not compiled after this long finishes with finish reason
-    "error" (compiles run in a thread pool, never on the engine loop)."""
-
-    def __post_init__(self) -> None:
-        _check(
-            self.backend in STRUCTURED_OUTPUT_BACKENDS,
-            "structured_outputs.backend",
-            self.backend,
-            str(STRUCTURED_OUTPUT_BACKENDS),
-        )
-        _check(
-            isinstance(self.max_compile_seconds, (int, float)) and self.max_compile_seconds > 0,
-            "structured_outputs.max_compile_seconds",
-            self.max_compile_seconds,
-            "a number of seconds > 0",
-        )
+    """Settings by plugin name, ``{"plugin-name": {"key": 1}}``, as JSON on the command line;
+    each plugin declares and validates its own (see ``kiln plugins``)."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +336,6 @@ class KilnConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
-    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def replace(self, **changes: Any) -> KilnConfig:
         """A copy with fields changed, named ``section__field`` (``device__worker_cls="x.Y"``).
@@ -315,12 +346,12 @@ class KilnConfig:
         by_section: dict[str, dict[str, Any]] = {}
         for key, value in changes.items():
             section, sep, name = key.partition("__")
-            if not sep or section not in _SECTIONS:
+            if not sep or section not in SECTIONS:
                 raise ValueError(
                     f"{key!r} is not a config field; use section__field with a section in "
-                    f"{list(_SECTIONS)}"
+                    f"{list(SECTIONS)}"
                 )
-            allowed = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+            allowed = [f.name for f in dataclasses.fields(SECTIONS[section])]
             if name not in allowed:
                 raise ValueError(f"{section}.{name} is not a config field; allowed: {allowed}")
             by_section.setdefault(section, {})[name] = value
@@ -336,8 +367,8 @@ class KilnConfig:
         """Every field as ``{"section.field": value}``."""
         return {
             f"{section}.{f.name}": getattr(getattr(self, section), f.name)
-            for section in _SECTIONS
-            for f in dataclasses.fields(_SECTIONS[section])
+            for section in SECTIONS
+            for f in dataclasses.fields(SECTIONS[section])
         }
 
     def diff(self, other: KilnConfig) -> list[tuple[str, Any, Any]]:
@@ -346,15 +377,15 @@ class KilnConfig:
         return [(key, mine[key], theirs[key]) for key in mine if mine[key] != theirs[key]]
 
 
-_SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "plugins": PluginConfig,
-    "structured_outputs": StructuredOutputsConfig,
 }
+"""``KilnConfig``'s sections by name, in order."""
 
 
 _current_config: contextvars.ContextVar[KilnConfig | None] = contextvars.ContextVar(

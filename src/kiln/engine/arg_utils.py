@@ -1,5 +1,11 @@
 """Engine arguments with vLLM's names: the flags of ``kiln serve`` and the keywords of ``LLM``.
 
+The config dataclasses (``kiln.config``) are the one source: each user field becomes an
+``EngineArgs`` field and a flag, with its type, its default and its docstring as ``--help``. A
+field's ``metadata`` adds what the flag needs beyond that (choices, an alias, a converter from the
+user's form, see ``kiln.config``); the class fields a platform fills (``CLASS_FIELDS``) are not
+flags. Adding an engine setting is a field in a config dataclass, nothing here.
+
 ``EngineArgs`` is flat (what a user types); ``create_config()`` turns it into the per-domain
 ``KilnConfig``, whose dataclasses validate every value.
 """
@@ -7,51 +13,138 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-from dataclasses import dataclass, field
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from kiln.config import (
-    QUANTIZATION_METHODS,
-    CacheConfig,
-    DeviceConfig,
-    KilnConfig,
-    ModelConfig,
-    ParallelConfig,
-    PluginConfig,
-    SchedulerConfig,
-)
-from kiln.plugins.config import parse_plugin_config
+from kiln.config import SECTIONS, KilnConfig
+from kiln.plugins.interfaces import CLASS_FIELDS
 
 
-@dataclass
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine setting: an ``EngineArgs`` field, an ``LLM`` keyword and a flag."""
+
+    section: str
+    """The ``KilnConfig`` section of the field it sets (``"scheduler"``)."""
+    field: dataclasses.Field
+    """The config field; its ``metadata`` shapes the flag (see ``kiln.config``)."""
+    help: str
+    """The field's docstring."""
+    annotation: Any
+    """The type a user gives: the field's, or the converter's argument's."""
+
+    @property
+    def name(self) -> str:
+        """Keyword and ``EngineArgs`` field (``max_num_seqs``; the flag is ``--max-num-seqs``)."""
+        return self.field.metadata.get("flag", self.field.name)
+
+    @property
+    def parse(self) -> Callable[[Any], dict[str, Any]] | None:
+        """The converter from the user's form to ``{field: value}`` of the section, if any."""
+        return self.field.metadata.get("parse")
+
+    @property
+    def default(self) -> Any:
+        """The field's default; None where a converter reads None as the field's default."""
+        return None if self.parse else self.field.default
+
+    def to_fields(self, value: Any) -> dict[str, Any]:
+        """``{field: value}`` of the section that the user's ``value`` sets.
+
+        Raises:
+            ValueError: a value the converter refuses.
+        """
+        return self.parse(value) if self.parse else {self.field.name: value}
+
+    def add_to(self, group: argparse._ArgumentGroup) -> None:
+        """Declare the flag in ``group``."""
+        meta = self.field.metadata
+        options: dict[str, Any] = {"default": self.default, "help": self.help.replace("%", "%%")}
+        if meta.get("positional"):
+            names, options["nargs"] = [self.name], "?"
+        else:
+            names = ["--" + self.name.replace("_", "-"), *meta.get("aliases", ())]
+        if "choices" in meta:
+            options["choices"] = list(meta["choices"])
+        if "metavar" in meta:
+            options["metavar"] = meta["metavar"]
+        kind = _non_none(self.annotation)
+        if kind is bool:
+            # Flags that are on by default can be turned off (vLLM's --no-enable-prefix-caching).
+            options["action"] = argparse.BooleanOptionalAction if self.default else "store_true"
+        elif kind in (int, float) and not self.parse:
+            options["type"] = kind
+        group.add_argument(*names, **options)
+
+
+def _non_none(annotation: Any) -> Any:
+    """``int`` for ``int | None``; the annotation itself when it is not such a union."""
+    if isinstance(annotation, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls``, by field name (read from its source:
+    Python keeps no attribute docstrings at run time).
+
+    Raises:
+        OSError: the source of ``cls`` is not available.
+    """
+    (class_def,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    assert isinstance(class_def, ast.ClassDef)
+    docs = {}
+    for node, after in zip(class_def.body, class_def.body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return docs
+
+
+def _engine_flags() -> dict[str, EngineFlag]:
+    flags = {}
+    for section, cls in SECTIONS.items():
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if (section == "device" and f.name in CLASS_FIELDS) or "set_by" in f.metadata:
+                continue
+            # The type a user gives: a converter's argument, else the field's own.
+            parse = f.metadata.get("parse")
+            user_type = typing.get_type_hints(parse)["value"] if parse else hints[f.name]
+            flag = EngineFlag(section, f, docs.get(f.name, ""), user_type)
+            flags[flag.name] = flag
+    return flags
+
+
+ENGINE_FLAGS: dict[str, EngineFlag] = _engine_flags()
+"""Every engine setting by keyword, in the config's order (sections, then fields)."""
+
+
+def _with_engine_flags(cls: type) -> type:
+    """``cls`` as a dataclass with one field per ``ENGINE_FLAGS`` entry, defaulting as it does."""
+    cls.__annotations__ = {name: flag.annotation for name, flag in ENGINE_FLAGS.items()}
+    for name, flag in ENGINE_FLAGS.items():
+        setattr(cls, name, flag.default)
+    return dataclass(cls)
+
+
+@_with_engine_flags
 class EngineArgs:
-    model: str | None = None
-    served_model_name: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    load_format: str = "auto"
-    seed: int = 0
-    chat_template: str | None = None
-    max_logprobs: int = 20
-    batch_invariant: bool = False
-    quantization: str | None = None
-    block_size: int = 16
-    kv_cache_memory: float | str | None = None
-    """GiB (``2``, ``0.5``) or a percentage of free memory (``"40%"``)."""
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_num_waiting: int | None = None
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
-    platform: str | None = None
-    graph_capture_sizes: list[int] | str | None = None
-    """Decode buckets the graph wrapper captures: a list or ``"1,2,4"`` (``""``: none);
-    None: the platform's choice."""
-    plugin_config: str | dict[str, Any] | None = field(default=None)
+    """The engine settings flat, one field per ``ENGINE_FLAGS`` entry (``max_num_seqs=16``,
+    ``kv_cache_memory="40%"``), each defaulting to its config field's default."""
 
     def create_config(self) -> KilnConfig:
         """The ``KilnConfig`` these arguments describe.
@@ -59,46 +152,10 @@ class EngineArgs:
         Raises:
             ValueError: an invalid value (the message names the field and what is allowed).
         """
-        sections = (
-            self.plugin_config
-            if isinstance(self.plugin_config, dict)
-            else parse_plugin_config(self.plugin_config)
-        )
-        return KilnConfig(
-            model=ModelConfig(
-                model=self.model,
-                served_model_name=self.served_model_name,
-                tokenizer=self.tokenizer,
-                dtype=self.dtype,
-                max_model_len=self.max_model_len,
-                load_format=self.load_format,
-                seed=self.seed,
-                chat_template=self.chat_template,
-                max_logprobs=self.max_logprobs,
-                batch_invariant=self.batch_invariant,
-                quantization=self.quantization,
-            ),
-            cache=CacheConfig(
-                block_size=self.block_size,
-                **parse_kv_cache_memory(self.kv_cache_memory),
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                max_num_waiting=self.max_num_waiting,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-            ),
-            device=DeviceConfig(
-                platform=self.platform,
-                graph_capture_sizes=parse_graph_capture_sizes(self.graph_capture_sizes),
-            ),
-            plugins=PluginConfig(sections=sections),
-        )
+        sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for name, flag in ENGINE_FLAGS.items():
+            sections[flag.section].update(flag.to_fields(getattr(self, name)))
+        return KilnConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -107,142 +164,22 @@ class EngineArgs:
         Raises:
             ValueError: an unknown keyword.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(set(kwargs) - set(ENGINE_FLAGS))
         if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
+            raise ValueError(
+                f"unknown engine argument(s) {unknown}; allowed: {sorted(ENGINE_FLAGS)}"
+            )
         return cls(**kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{name: getattr(args, name) for name in ENGINE_FLAGS})
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add the engine flags (vLLM's names) to ``parser``."""
-        g = parser.add_argument_group("model")
-        g.add_argument(
-            "model",
-            nargs="?",
-            default=None,
-            help="a GGUF file, a Hugging Face folder or hub id (default: SmolLM2-135M-Instruct)",
-        )
-        g.add_argument("--served-model-name", default=None, help="the name clients use")
-        g.add_argument("--tokenizer", default=None, help="tokenizer source, if not the model's")
-        g.add_argument(
-            "--dtype",
-            default="auto",
-            choices=["auto", "float32", "float16", "bfloat16"],
-            help="compute dtype (auto: the platform's preferred)",
-        )
-        g.add_argument("--max-model-len", type=int, default=None, help="context length")
-        g.add_argument("--load-format", default="auto", help="auto, gguf, safetensors, hub")
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--chat-template", default=None, help="a Jinja template file or text")
-        g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request gets")
-        g.add_argument(
-            "--batch-invariant",
-            action="store_true",
-            help="each request's tokens do not depend on the rest of the batch (costs "
-            "throughput; cpu platform: bfloat16 only)",
-        )
-        g.add_argument(
-            "--quantization",
-            "-q",
-            default=None,
-            choices=list(QUANTIZATION_METHODS),
-            help="weights in memory: auto (a quantized GGUF stays quantized where the platform "
-            "supports it), gguf, int8 / int4 (quantize a float model on load), none (dense)",
-        )
-        g = parser.add_argument_group("cache")
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-        g.add_argument(
-            "--kv-cache-memory",
-            default=None,
-            metavar="GIB|PCT%",
-            help="KV-cache size: GiB (e.g. 2 or 0.5) or a share of free memory (e.g. 40%%); "
-            "default: 40%% of free memory, at most 4 GiB",
-        )
-        g.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="reuse KV blocks of shared prompt prefixes",
-        )
-        g = parser.add_argument_group("scheduler")
-        g.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
-        g.add_argument(
-            "--max-num-batched-tokens", type=int, default=2048, help="token budget per step"
-        )
-        g.add_argument(
-            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
-        )
-        g.add_argument(
-            "--max-num-waiting",
-            type=int,
-            default=None,
-            help="most queued requests before new ones get HTTP 503 (default: unbounded)",
-        )
-        g = parser.add_argument_group("parallel")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        g.add_argument(
-            "--distributed-executor-backend", default="uni", choices=["uni", "mp", "ray"]
-        )
-        g = parser.add_argument_group("plugins")
-        g.add_argument("--platform", default=None, help="force a platform (also KILN_PLATFORM)")
-        g.add_argument(
-            "--graph-capture-sizes",
-            default=None,
-            metavar="N,N,...",
-            help="decode batch sizes the platform's graph wrapper captures at start-up (each "
-            "decode step is padded to the next one; '' for none; default: the platform's)",
-        )
-        g.add_argument(
-            "--plugin-config",
-            default=None,
-            metavar="JSON",
-            help='plugin settings, e.g. \'{"name": {"key": 1}}\' (see `kiln plugins`)',
-        )
-
-
-def parse_kv_cache_memory(value: float | str | None) -> dict[str, float | None]:
-    """``--kv-cache-memory``: a number is GiB, ``"N%"`` a share of free memory.
-
-    Raises:
-        ValueError: neither form (the message shows both).
-    """
-    if value is None:
-        return {"kv_cache_memory": None, "kv_cache_memory_fraction": None}
-    text = str(value).strip()
-    try:
-        if text.endswith("%"):
-            return {"kv_cache_memory_fraction": float(text[:-1]) / 100}
-        return {"kv_cache_memory": float(text)}
-    except ValueError:
-        raise ValueError(
-            f"kv_cache_memory={value!r} is invalid; allowed: a size in GiB like 2 or 0.5, or a "
-            "share of free memory like 40%"
-        ) from None
-
-
-def parse_graph_capture_sizes(
-    value: list[int] | tuple[int, ...] | str | None,
-) -> tuple[int, ...] | None:
-    """``--graph-capture-sizes``: ``"1,2,4"`` or a list of ints; ``""`` is no sizes.
-
-    Raises:
-        ValueError: an entry is not an integer >= 1.
-    """
-    if value is None:
-        return None
-    items = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
-    sizes = []
-    for item in items:
-        size = int(item) if isinstance(item, int) or str(item).isdigit() else 0
-        if size < 1:
-            raise ValueError(
-                f"graph_capture_sizes={value!r} is invalid; allowed: batch sizes >= 1 like "
-                "'1,2,4,8' or [1, 2, 4, 8], or '' for none"
-            )
-        sizes.append(size)
-    return tuple(sizes)
+        """Add the engine flags (vLLM's names), a group per config section, to ``parser``."""
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for flag in ENGINE_FLAGS.values():
+            if flag.section not in groups:
+                groups[flag.section] = parser.add_argument_group(flag.section)
+            flag.add_to(groups[flag.section])

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kiln.config import DeviceConfig, KilnConfig, PluginConfig
+from kiln.config import DeviceConfig, KilnConfig, PluginConfig, parse_plugin_config
 
 
 def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,6 @@ def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kiln.plugins import init_process
-    from kiln.plugins.config import parse_plugin_config
     from kiln.plugins.introspection import build_report, format_report
     from kiln.plugins.manager import get_plugin_manager
 
@@ -36,7 +35,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     try:
         config = KilnConfig(
             device=DeviceConfig(platform=args.platform),
-            plugins=PluginConfig(sections=parse_plugin_config(args.plugin_config)),
+            plugins=PluginConfig(**parse_plugin_config(args.plugin_config)),
         )
         config = init_process("api", config)
     except Exception as exc:

@@ -17,7 +17,6 @@ The plugin reads its values with ``PLUGIN_CONFIG_REGISTRY.get("x86", config)``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 import typing
 from typing import Any
@@ -136,25 +135,6 @@ class PluginConfigRegistry:
                 for f in dataclasses.fields(schema)
             ]
         return out
-
-
-def parse_plugin_config(text: str | None) -> dict[str, dict[str, Any]]:
-    """The JSON of ``--plugin-config`` as a dict of sections.
-
-    Raises:
-        ValueError: not JSON, or not an object of objects.
-    """
-    if not text:
-        return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--plugin-config is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise ValueError(
-            '--plugin-config must be a JSON object of sections, like \'{"name": {"key": 1}}\''
-        )
-    return data
 
 
 PLUGIN_CONFIG_REGISTRY = PluginConfigRegistry()
