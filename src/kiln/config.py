@@ -326,6 +326,69 @@ class PluginConfig:
     each plugin declares and validates its own (see ``kiln plugins``)."""
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+"""Values of ``structured_outputs.backend`` (``"guidance"`` is llguidance, as in vLLM)."""
+
+
+def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """``--structured-outputs-config``: JSON (or, from Python, a dict) of
+    ``StructuredOutputsConfig`` fields, ``'{"backend": "xgrammar"}'``.
+
+    Raises:
+        ValueError: not JSON, not an object, or a key that is no field (names the allowed ones).
+    """
+    if not value:
+        return {}
+    try:
+        data = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from exc
+    allowed = [f.name for f in dataclasses.fields(StructuredOutputsConfig)]
+    if not isinstance(data, dict) or not set(data) <= set(allowed):
+        raise ValueError(
+            f"structured_outputs_config={value!r} is invalid; allowed: a JSON object with keys in "
+            f'{allowed}, like \'{{"backend": "xgrammar"}}\''
+        )
+    return data
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (JSON schema, regex, choice, grammar): the grammar engine and its bounds.
+
+    All fields are set by one flag, ``--structured-outputs-config '{"backend": "guidance"}'``."""
+
+    backend: str = field(
+        default="auto",
+        metadata={
+            "flag": "structured_outputs_config",
+            "metavar": "JSON",
+            "parse": parse_structured_outputs_config,
+        },
+    )
+    """Grammar engine: "xgrammar", "guidance" (llguidance), or "auto": xgrammar, and llguidance for
+    a spec xgrammar does not support."""
+    max_compile_seconds: float = field(
+        default=30.0, metadata={"set_by": "structured_outputs_config"}
+    )
+    """A request whose grammar has not compiled after this long finishes with finish reason
+    "error" (compiles run in a thread pool, never on the engine loop)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.backend in STRUCTURED_OUTPUT_BACKENDS,
+            "structured_outputs.backend",
+            self.backend,
+            str(STRUCTURED_OUTPUT_BACKENDS),
+        )
+        _check(
+            isinstance(self.max_compile_seconds, (int, float)) and self.max_compile_seconds > 0,
+            "structured_outputs.max_compile_seconds",
+            self.max_compile_seconds,
+            "a number of seconds > 0",
+        )
+
+
 @dataclass(frozen=True)
 class KilnConfig:
     """Everything one engine needs, by domain."""
@@ -336,6 +399,7 @@ class KilnConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def replace(self, **changes: Any) -> KilnConfig:
         """A copy with fields changed, named ``section__field`` (``device__worker_cls="x.Y"``).
@@ -384,6 +448,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "plugins": PluginConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 """``KilnConfig``'s sections by name, in order."""
 
