@@ -4,7 +4,8 @@ per step as if sampled."""
 import pytest
 
 from kiln.engine.input_processor import fan_out
-from kiln.engine.output_processor import OutputProcessor, ParentRequest, make_position_logprobs
+from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.request_state import ParentRequest, make_position_logprobs
 from kiln.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.outputs import Logprob

@@ -28,8 +28,7 @@ from kiln.config import KilnConfig
 from kiln.engine.core_client import AsyncMPClient
 from kiln.engine.frontend import Frontend
 from kiln.engine.input_processor import PromptType
-from kiln.engine.output_processor import IterationStats
-from kiln.engine.stats import StatsRecorder
+from kiln.engine.stats import IterationStats, StatsRecorder
 from kiln.messages import EngineCoreRequest, EngineDeadError, FinishReason
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams

@@ -11,7 +11,8 @@ from typing import Any
 
 from kiln.config import KilnConfig
 from kiln.engine.input_processor import InputProcessor, PromptType, fan_out, prompt_text
-from kiln.engine.output_processor import OutputProcessor, ParentRequest
+from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.request_state import ParentRequest
 from kiln.messages import EngineCoreRequest
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.model_executor.loader.default_model import DEFAULT_MODEL_NAME

@@ -17,10 +17,36 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.engine.output_processor import IterationStats
-from kiln.messages import SchedulerStats
+from kiln.messages import FinishReason, SchedulerStats
 
 logger = logging.getLogger("kiln.engine")
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished engine-core request, for the e2e-latency and finish-reason metrics."""
+
+    request_id: str
+    finish_reason: FinishReason
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    time_to_first_token: float | None
+    mean_inter_token_latency: float | None
+
+
+@dataclass
+class IterationStats:
+    """What one ``process_outputs`` call saw, ready to feed into Prometheus counters/histograms."""
+
+    iteration_timestamp: float
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests that got their first token in this iteration."""
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
 
 StatsListener = Callable[[SchedulerStats | None, IterationStats | None], None]
 

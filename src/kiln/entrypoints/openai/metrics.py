@@ -27,8 +27,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kiln.engine.output_processor import IterationStats
-from kiln.engine.stats import StatsRecorder, StatsTotals
+from kiln.engine.stats import IterationStats, StatsRecorder, StatsTotals
 from kiln.messages import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
