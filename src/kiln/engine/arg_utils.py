@@ -63,8 +63,8 @@ class EngineFlag:
         """
         return self.parse(value) if self.parse else {self.field.name: value}
 
-    def add_to(self, group: argparse._ArgumentGroup) -> None:
-        """Declare the flag in ``group``."""
+    def add_to(self, group: argparse._ActionsContainer) -> None:
+        """Declare the flag in ``group`` (a parser or an argument group)."""
         meta = self.field.metadata
         options: dict[str, Any] = {"default": self.default, "help": self.help.replace("%", "%%")}
         if meta.get("positional"):

@@ -7,21 +7,13 @@ import json
 import logging
 import sys
 
-from kiln.config import DeviceConfig, KilnConfig, PluginConfig, parse_plugin_config
+from kiln.config import KilnConfig
+from kiln.engine.arg_utils import ENGINE_FLAGS, EngineArgs
 
 
 def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--platform",
-        default=None,
-        help="force a platform by name (also KILN_PLATFORM); default: detect",
-    )
-    parser.add_argument(
-        "--plugin-config",
-        default=None,
-        metavar="JSON",
-        help='settings for plugins, e.g. \'{"name": {"key": 1}}\' (see `kiln plugins`)',
-    )
+    for name in ("platform", "plugin_config"):  # the engine's flags, as `kiln serve` has them
+        ENGINE_FLAGS[name].add_to(parser)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -33,10 +25,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     config: KilnConfig | None = None
     error = None
     try:
-        config = KilnConfig(
-            device=DeviceConfig(platform=args.platform),
-            plugins=PluginConfig(**parse_plugin_config(args.plugin_config)),
-        )
+        config = EngineArgs(
+            platform=args.platform, plugin_config=args.plugin_config
+        ).create_config()
         config = init_process("api", config)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
