@@ -48,21 +48,17 @@ def _dense_where_needed(config: KilnConfig) -> KilnConfig:
     """``model.quantization`` auto means dense weights where the quantized kernels do not serve:
     ``dtype=float32``, the mode for comparing token for token (the conformance kit's greedy check
     measured the quantized kernels at 0.979 teacher-forced top-1 agreement there; NOTE: not yet
-    understood, the layers agree within 1e-4), batch-invariant mode (their results depend on how
-    many rows a call has) and decode buckets (``kiln_x86.quant`` is not traceable by
-    ``torch.compile`` yet); asking for a method with the last two is an error.
+    understood, the layers agree within 1e-4) and batch-invariant mode (their results depend on
+    how many rows a call has); asking for a method with the last is an error. Decode buckets
+    keep the GGUF blocks: ``kiln_x86.quant``'s kernels trace as opaque ops.
 
     Raises:
-        ValueError: gguf, int8 or int4 with ``model.batch_invariant``, or gguf with buckets.
+        ValueError: gguf, int8 or int4 with ``model.batch_invariant``.
     """
     quantization = config.model.quantization
     conflicts = []
     if config.model.batch_invariant:
         conflicts.append(("model.batch_invariant=True", ("gguf", "int8", "int4")))
-    if config.device.graph_capture_sizes:
-        conflicts.append(
-            (f"device.graph_capture_sizes={config.device.graph_capture_sizes}", ("gguf",))
-        )
     for setting, methods in conflicts:
         if quantization in methods:
             raise ValueError(

@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,9 +94,44 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def load_quant_kernels() -> ModuleType | None:
-    """The compiled ``x86_quant`` extension, or None (logged once) where it cannot be built."""
-    return kernels.load_extension("kiln_x86_quant", SOURCE)
+def load_quant_kernels() -> Any:
+    """The compiled ``x86_quant`` extension, or None (logged once) where it cannot be built.
+
+    Under ``torch.compile`` (decode buckets, ``kiln_x86.graph``) it is the same functions as
+    ``torch.ops.kiln_x86_quant`` ops, which trace as opaque nodes with the fake implementations
+    below; the extension must have been loaded eagerly before (model loading does it).
+    """
+    if torch.compiler.is_compiling():
+        return _TRACED_KERNELS
+    ext = kernels.load_extension("kiln_x86_quant", SOURCE)
+    if ext is not None and not _TRACED_KERNELS.__dict__:
+        _register_traced_kernels()
+    return ext
+
+
+_TRACED_KERNELS = SimpleNamespace()
+"""``qmatmul``, ``dequantize`` (and ``qmatmul_int8`` where built) as dispatcher ops."""
+
+
+def _register_traced_kernels() -> None:
+    """Fake implementations of the extension's ops (shapes only), once per process."""
+    ops = torch.ops.kiln_x86_quant
+
+    def qmatmul_fake(x, qweight, scales, mins, group, bits):
+        return x.new_empty(x.shape[0], qweight.shape[0])
+
+    def dequantize_fake(qweight, scales, mins, in_features, group, bits, dtype):
+        return qweight.new_empty(qweight.shape[0], in_features, dtype=dtype)
+
+    fakes = {"qmatmul": qmatmul_fake, "dequantize": dequantize_fake, "qmatmul_int8": qmatmul_fake}
+    for name, fake in fakes.items():
+        if not hasattr(ops, name):
+            continue  # qmatmul_int8 is built only where the CPU has AVX512-VNNI
+        try:
+            torch.library.register_fake(f"kiln_x86_quant::{name}")(fake)
+        except RuntimeError:
+            pass  # registered by an earlier call in this process
+        setattr(_TRACED_KERNELS, name, getattr(ops, name))
 
 
 def _f16(col: np.ndarray) -> np.ndarray:

@@ -503,6 +503,30 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 
 }  // namespace
 
+// The same functions as dispatcher ops, so that torch.compile traces them as opaque nodes
+// (kiln_x86.quant gives them fake implementations); eager calls use the pybind functions.
+TORCH_LIBRARY(kiln_x86_quant, m) {
+  m.def(
+      "qmatmul(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group, int bits) -> "
+      "Tensor");
+  m.def(
+      "dequantize(Tensor qweight, Tensor scales, Tensor? mins, int in_features, int group, int bits, "
+      "ScalarType dtype) -> Tensor");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def(
+      "qmatmul_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group, int bits) -> "
+      "Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(kiln_x86_quant, CPU, m) {
+  m.impl("qmatmul", &qmatmul);
+  m.impl("dequantize", &dequantize);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.impl("qmatmul_int8", &qmatmul_int8);
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ dequantized(w).T for a packed GGUF weight");
   m.def("dequantize", &dequantize, "the weight of a packed GGUF weight, float32 or bfloat16");
