@@ -377,10 +377,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     """The query, key and value projections fused into one matmul.
 
     Output layout (this rank's heads): ``[q (num_heads * head_size) | k (num_kv_heads *
-    head_size) | v (same)]``. Query heads split evenly over ranks; key/value heads too when there
-    are at least as many as ranks, else each rank holds one, shared by ``tp_size /
-    total_num_kv_heads`` ranks (replicated). ``weight_loader(param, w, shard_id)`` with
-    ``shard_id`` in ``"q"``, ``"k"``, ``"v"``.
+    head_size) | v (same)]``. With at least as many key/value heads as ranks, each rank holds
+    whole KV groups (a key/value head and its query heads), as evenly as they go: the first
+    ``total_num_kv_heads % tp_size`` ranks one group more (``kv_head_start`` and ``q_head_start``
+    say where this rank's heads begin). With fewer, each rank holds one key/value head, shared by
+    ``tp_size / total_num_kv_heads`` ranks (replicated), and an even share of the query heads.
+    ``weight_loader(param, w, shard_id)`` with ``shard_id`` in ``"q"``, ``"k"``, ``"v"``.
     """
 
     _SHARDS = ("q", "k", "v")
