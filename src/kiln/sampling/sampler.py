@@ -147,7 +147,8 @@ def apply_min_tokens(
     min_tokens: dict[int, tuple[int, set[int]]],
     output_token_ids: list[list[int]],
 ) -> torch.Tensor:
-    """Set the stop token ids of rows below their ``min_tokens`` to -inf. [B, V] -> new [B, V]."""
+    """Set the stop token ids of rows below their ``min_tokens`` to -inf, unless that leaves a
+    row no token at all (a grammar mask that allows only stop tokens). [B, V] -> new [B, V]."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     token_ids: list[int] = []
@@ -160,7 +161,11 @@ def apply_min_tokens(
         return logits
     index = torch.tensor([rows, token_ids], dtype=torch.int64, device=logits.device)  # [2, n]
     neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    return logits.index_put((index[0], index[1]), neg_inf)
+    masked = logits.index_put((index[0], index[1]), neg_inf)
+    # A row left with no token (a structured-output grammar that allows only EOS) keeps its
+    # stop tokens: the grammar wins over min_tokens. On device, no host sync.
+    has_token = (masked > float("-inf")).any(dim=1, keepdim=True)  # [B, 1]
+    return torch.where(has_token, masked, logits)
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -427,7 +427,9 @@ class Scheduler(SchedulerInterface):
         """Set a finished status (and ``stop_reason``) when the last token ends the request."""
         params = request.sampling_params
         num_output_tokens = request.num_output_tokens
-        if num_output_tokens >= params.min_tokens:
+        # A grammar that accepted its stop token is complete: it wins over min_tokens.
+        is_grammar_done = request.matcher is not None and request.matcher.is_terminated()
+        if num_output_tokens >= params.min_tokens or is_grammar_done:
             last_token_id = request.output_token_ids[-1]
             if last_token_id == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from kiln.sampling_params import StructuredOutputsParams
+
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -115,6 +117,23 @@ class _SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     priority: Int = 0
     request_id: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's constraint on the output: one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (EBNF) or ``json_object`` (the ``StructuredOutputsParams`` fields)."""
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint.
+
+        Raises:
+            ValueError: an invalid ``structured_outputs`` (names the field).
+        """
+        if self.structured_outputs is None:
+            return None
+        fields = StructuredOutputsParams.__dataclass_fields__
+        unknown = sorted(set(self.structured_outputs) - set(fields))
+        if unknown:
+            raise ValueError(f"structured_outputs keys must be in {sorted(fields)}, got {unknown}")
+        return StructuredOutputsParams(**self.structured_outputs)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
@@ -172,6 +191,25 @@ class ChatMessage(OpenAIBaseModel):
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+    """``{"name": ..., "schema": {...}, "strict": bool}`` for ``json_schema``."""
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint this format asks for (None for ``text``); enforced while sampling.
+
+        Raises:
+            ValueError: ``json_schema`` without an object ``schema`` (names the field).
+        """
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "text":
+            return None
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError(
+                "response_format.json_schema.schema must be a JSON schema (an object), got "
+                f"{schema!r}"
+            )
+        return StructuredOutputsParams(json=schema)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -197,6 +235,23 @@ class ChatCompletionRequest(_SamplingFields):
     """A Jinja template to use instead of the model's: refused unless the server runs with
     ``--trust-request-chat-template``."""
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` or ``response_format`` (not both).
+
+        Raises:
+            ValueError: both are set, or either is invalid (names the field).
+        """
+        from_format = None
+        if self.response_format is not None:
+            from_format = self.response_format.structured_outputs_params()
+        if from_format is None:
+            return super().structured_outputs_params()
+        if self.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs and response_format must not both constrain the output"
+            )
+        return from_format
 
 
 class TokenizeRequest(RequestBody):

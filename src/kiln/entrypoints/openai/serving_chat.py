@@ -13,9 +13,9 @@ Streaming sends ``chat.completion.chunk`` s: first, per choice, a delta with the
 choice carrying its ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
 ``choices: []`` and ``usage``; then ``data: [DONE]``.
 
-Tool calling and structured output are not implemented: a request that needs them (``tool_choice``
-other than ``none``, ``response_format`` ``json_schema``) is a 400; ``json_object`` is accepted
-but not enforced.
+Tool calling is not implemented: a ``tool_choice`` other than ``none`` is a 400.
+``response_format`` (``json_schema``, ``json_object``) and ``structured_outputs`` are enforced while
+sampling (``kiln.structured_output``).
 """
 
 from __future__ import annotations
@@ -88,23 +88,6 @@ class OpenAIServingChat(OpenAIServing):
                 "calls; use tool_choice='none'",
                 param="tool_choice",
             )
-        response_format = request.response_format
-        if response_format is not None and response_format.type == "json_schema":
-            schema = response_format.json_schema
-            if not schema or "schema" not in schema:
-                raise OpenAIError(
-                    "response_format json_schema needs a json_schema with a schema",
-                    param="response_format",
-                )
-            raise OpenAIError(
-                "response_format json_schema is not supported: this server has no structured "
-                "output backend",
-                param="response_format",
-            )
-        if response_format is not None and response_format.type == "json_object":
-            if "response_format" not in self.state.warned_fields:
-                self.state.warned_fields.add("response_format")
-                logger.warning("response_format json_object is accepted but not enforced")
 
 
 class _ChatRun:

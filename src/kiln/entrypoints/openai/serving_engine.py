@@ -306,6 +306,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=logit_bias,  # type: ignore[arg-type]
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=request.structured_outputs_params(),
             )
         except ValueError as exc:
             raise bad_request(exc, self.request_fields) from None
