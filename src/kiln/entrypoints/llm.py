@@ -7,7 +7,9 @@ The engine core runs in this process. ``model=None`` serves the embedded default
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,16 +82,34 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Reply to one conversation (a list of ``{"role", "content"}``) or to several."""
+        """Reply to one conversation (a list of ``{"role", "content"}``) or to several.
+
+        Args:
+            tools: OpenAI-style tool definitions (``{"type": "function", "function": {...}}``),
+                given to the chat template as ``tools``. Assistant messages may carry
+                ``tool_calls`` (their JSON-text ``arguments`` reach the template as objects) and
+                ``tool`` messages a ``tool_call_id``. The output is the model's text: parse its
+                calls with a tool parser (``kiln.entrypoints.openai.tool_parsers``).
+
+        Raises:
+            ValueError: the template rejects the messages, or ``tools`` is set in
+                ``chat_template_kwargs`` as well.
+        """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            if "tools" in template_kwargs:
+                raise ValueError("give tools either as `tools` or in chat_template_kwargs")
+            template_kwargs["tools"] = [dict(tool) for tool in tools]
         frontend = self.llm_engine.frontend
         prompts = [
             frontend.render_chat(
-                conversation,  # type: ignore[arg-type]
+                [_with_parsed_arguments(m) for m in conversation],  # type: ignore[union-attr]
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs,
+                chat_template_kwargs=template_kwargs,
             )
             for conversation in conversations
         ]
@@ -123,3 +143,22 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _with_parsed_arguments(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``message`` with the JSON-text ``arguments`` of its ``tool_calls`` as objects, as the
+    server gives them to chat templates (which write them with ``tojson``)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                value = json.loads(arguments)
+                if isinstance(value, dict):
+                    function["arguments"] = value
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}

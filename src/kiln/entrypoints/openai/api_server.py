@@ -42,6 +42,7 @@ import kiln
 from kiln.config import KilnConfig
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.chat_tools import ToolServerOptions, resolve_server_options
 from kiln.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.entrypoints.openai.protocol import (
@@ -345,6 +346,7 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
             options = ServerOptions(
                 trust_request_chat_template=args.trust_request_chat_template,
                 max_n=args.max_n,
+                tools=_tool_options(args),
             )
             model_path = resolve_model_ref(config.model.model)
             state = ServerState(llm, llm.model_name, model_path, options=options)
@@ -392,6 +394,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     try:
         config = init_process("api", EngineArgs.from_cli_args(args).create_config())
+        _tool_options(args)  # parser names, once general plugins have registered theirs
     except (ValueError, PlatformSelectionError) as exc:
         # A config the user can fix, or a platform Kiln refuses (none found, two, an API
         # version of another major, a name mismatch): one line, like any config error.
@@ -406,6 +409,12 @@ def run_server(args: argparse.Namespace) -> int:
         return _run(serve(args, config, sock))
     finally:
         sock.close()
+
+
+def _tool_options(args: argparse.Namespace) -> ToolServerOptions:
+    return resolve_server_options(
+        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+    )
 
 
 def _run(coro: Any) -> int:

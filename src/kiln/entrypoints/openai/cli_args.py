@@ -64,6 +64,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse tool calls from the model's answers (tool_choice 'auto', and requests with "
+        "tools but no tool_choice); needs --tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3), "
+        "llama3_json, or a name a plugin registered",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the model's thinking into reasoning_content: qwen3 (<think>...</think>), or "
+        "a name a plugin registered",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=UVICORN_LOG_LEVELS,

@@ -15,6 +15,7 @@ are null, is exactly OpenAI's); their shapes are documented there.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -167,11 +168,78 @@ class CompletionRequest(_SamplingFields):
     """Add ``prompt_token_ids`` and ``token_ids`` to each choice (vLLM)."""
 
 
+MAX_TOOL_NAME_CHARS = 256
+"""The longest function name a tool or a call may have."""
+MAX_TOOL_CALL_ARGUMENTS_CHARS = 2**17
+"""The longest ``arguments`` text of a call in a message."""
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments (an object); none: the function takes no arguments."""
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    """One entry of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
+    arguments: str | dict[str, Any] = Field(default="{}")
+    """JSON text (OpenAI's form) or an object. JSON text of an object is kept as the object, as
+    vLLM gives it to chat templates (which write it with ``tojson``)."""
+
+    @field_validator("arguments")
+    @classmethod
+    def _parse_arguments(cls, arguments: Any) -> Any:
+        if isinstance(arguments, str):
+            if len(arguments) > MAX_TOOL_CALL_ARGUMENTS_CHARS:
+                raise ValueError(
+                    f"arguments must hold at most {MAX_TOOL_CALL_ARGUMENTS_CHARS} characters, "
+                    f"got {len(arguments)}"
+                )
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                return arguments  # not JSON: the template gets the text
+            return parsed if isinstance(parsed, dict) else arguments
+        return arguments
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message's ``tool_calls``."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     """Text, or a list of ``{"type": "text", "text": ...}`` parts (the only kind supported)."""
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    """An assistant message's calls (passed to the chat template)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
 
     @field_validator("content")
     @classmethod
@@ -223,9 +291,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    """Functions the model may call (also passed to the chat template)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: ``auto`` with tools, ``none`` without. ``auto`` needs the server's
+    ``--enable-auto-tool-choice`` and ``--tool-call-parser``."""
     parallel_tool_calls: bool | None = None
+    """False: at most one call."""
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -284,12 +356,17 @@ class DetokenizeRequest(RequestBody):
 
 __all__ = [
     "ChatCompletionRequest",
+    "ChatCompletionToolParam",
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "FunctionCall",
+    "FunctionDefinition",
+    "NamedToolChoice",
     "OpenAIBaseModel",
     "RequestBody",
     "ResponseFormat",
     "StreamOptions",
     "TokenizeRequest",
+    "ToolCallParam",
 ]

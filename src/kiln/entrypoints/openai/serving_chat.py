@@ -13,9 +13,9 @@ Streaming sends ``chat.completion.chunk`` s: first, per choice, a delta with the
 choice carrying its ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
 ``choices: []`` and ``usage``; then ``data: [DONE]``.
 
-Tool calling is not implemented: a ``tool_choice`` other than ``none`` is a 400.
-``response_format`` (``json_schema``, ``json_object``) and ``structured_outputs`` are enforced while
-sampling (``kiln.structured_output``).
+With tools or a reasoning parser (see ``chat_tools``), the message also has ``tool_calls`` (when
+the model made calls; ``finish_reason`` is then ``tool_calls``) and ``reasoning_content`` (with
+``--reasoning-parser``), and deltas carry ``tool_calls`` pieces and ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln.entrypoints.openai.chat_tools import ChoiceParser, plan_tools
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.serving_engine import OpenAIServing, clamp, usage
@@ -43,7 +44,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         self.note_unknown_fields(request)
-        self._check_unsupported(request)
+        tool_options = self.state.options.tools
+        plan = plan_tools(request, tool_options)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -59,9 +61,12 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens=max_tokens,
             logprobs=top_logprobs if request.logprobs else None,
         )
+        if plan.structured_outputs is not None:
+            params.structured_outputs = plan.structured_outputs
         template_kwargs = dict(request.chat_template_kwargs or {})
         if request.tools is not None:
-            template_kwargs.setdefault("tools", request.tools)
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+            template_kwargs.setdefault("tools", tools)
         self.check_ready()
         prompt = await self.render_chat(
             request.messages,
@@ -76,18 +81,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
         run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs)
+        if plan.choice != "none" or tool_options.reasoning_parser is not None:
+            run.parsers = [ChoiceParser(plan, tool_options) for _ in range(request.n)]
         if request.stream:
             return self.stream(ids, run.stream(outputs))
         return await self.respond(raw, ids, run.collect(outputs))
-
-    def _check_unsupported(self, request: ChatCompletionRequest) -> None:
-        choice = request.tool_choice
-        if choice is not None and choice != "none":
-            raise OpenAIError(
-                f"tool_choice={choice!r} is not supported: this server does not parse tool "
-                "calls; use tool_choice='none'",
-                param="tool_choice",
-            )
 
 
 class _ChatRun:
@@ -113,6 +111,9 @@ class _ChatRun:
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
+        self.parsers: list[ChoiceParser] | None = None
+        """Per choice, with tools or a reasoning parser: content -> reasoning and tool calls."""
+        self.is_streaming = bool(request.stream)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -175,18 +176,40 @@ class _ChatRun:
                 self.stop_reasons[i] = completion.stop_reason
             elif not completion.text and not completion.token_ids:
                 continue
+            if self.parsers is not None and self.is_streaming:
+                delta = self._parsed_delta(i, completion.text, finish_reason)
+                if not delta and finish_reason is None and logprobs is None:
+                    continue  # all held back (a tag may be starting)
+            elif completion.text or finish_reason is None:
+                delta = {"content": completion.text}
+            else:
+                delta = {}
             choices.append(
                 {
                     "index": i,
-                    "delta": {"content": completion.text}
-                    if completion.text or finish_reason is None
-                    else {},
+                    "delta": delta,
                     "logprobs": None if logprobs is None else {"content": logprobs},
-                    "finish_reason": finish_reason,
+                    "finish_reason": self._finish_reason(i, finish_reason),
                     "stop_reason": completion.stop_reason if finish_reason else None,
                 }
             )
         return choices
+
+    def _parsed_delta(self, i: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        assert self.parsers is not None
+        parser = self.parsers[i]
+        delta = parser.feed(text)
+        if finish_reason is not None:
+            tail = parser.finish()
+            delta.reasoning += tail.reasoning
+            delta.content += tail.content
+            delta.tool_calls += tail.tool_calls
+        return delta.to_dict()
+
+    def _finish_reason(self, i: int, engine_reason: str | None) -> str | None:
+        if self.parsers is None:
+            return engine_reason
+        return self.parsers[i].finish_reason(engine_reason)
 
     async def stream(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]]
@@ -210,15 +233,21 @@ class _ChatRun:
         if include_usage:
             yield sse({**self._chunk([]), "usage": self._usage()})
 
+    def _message(self, i: int) -> dict[str, Any]:
+        text = "".join(self.texts[i])
+        if self.parsers is None:
+            return {"role": "assistant", "content": text}
+        return self.parsers[i].message(text)
+
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
         async for _, output in outputs:
             self._take(output)
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(self.texts[i])},
+                "message": self._message(i),  # first: it counts the calls finish_reason needs
                 "logprobs": None if not self.request.logprobs else {"content": self.logprobs[i]},
-                "finish_reason": self.finish_reasons[i],
+                "finish_reason": self._finish_reason(i, self.finish_reasons[i]),
                 "stop_reason": self.stop_reasons[i],
             }
             for i in range(self.request.n)

@@ -35,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from kiln.engine.async_llm import AsyncLLM, QueueFullError
 from kiln.engine.input_processor import PromptError
+from kiln.entrypoints.openai.chat_tools import ToolServerOptions
 from kiln.entrypoints.openai.errors import OpenAIError, bad_request, to_openai_error
 from kiln.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel
 from kiln.entrypoints.openai.streams import merge_async_iterators, run_or_abort, sse_events
@@ -63,6 +64,9 @@ class ServerOptions:
     """The most completions (``n``) one request may ask for (OpenAI's cap)."""
     tokenizer_threads: int = 4
     """Worker threads that tokenize and render chat templates off the event loop."""
+    tools: ToolServerOptions = field(default_factory=ToolServerOptions)
+    """Tool-call and reasoning parsing (``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--reasoning-parser``)."""
 
 
 @dataclass

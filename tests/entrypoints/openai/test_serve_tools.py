@@ -1,0 +1,167 @@
+"""Tool calling and reasoning output against real servers, through the official ``openai``
+client: vLLM's 400s without the flags (on the shared server), and, on a server with
+``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`` and a
+Hermes-style template written for these tests, real calls by the default model: parsed, streamed
+in OpenAI's pieces, and round-tripped through the template."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from serve_utils import API_KEY, BASE_ARGS, KilnServer
+from tool_examples import FEW_SHOT, TEMPLATE, WEATHER
+
+
+@pytest.fixture(scope="module")
+def tool_server(model_path: str) -> Iterator[KilnServer]:
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    flags += ["--reasoning-parser", "qwen3", "--chat-template", str(TEMPLATE)]
+    kiln = KilnServer([*BASE_ARGS, "--api-key", API_KEY, *flags])
+    yield kiln
+    kiln.stop()
+
+
+Chat = Callable[..., Any]
+
+
+@pytest.fixture(scope="module")
+def chat(client: openai.OpenAI, model_name: str) -> Chat:
+    """``chat.completions.create`` on the shared server (no tool flags)."""
+    return functools.partial(client.chat.completions.create, model=model_name)
+
+
+@pytest.fixture(scope="module")
+def tool_chat(tool_server: KilnServer) -> Chat:
+    """``chat.completions.create`` on the server with the tool and reasoning flags."""
+    client = openai.OpenAI(
+        base_url=f"{tool_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
+    return functools.partial(client.chat.completions.create, model=client.models.list().data[0].id)
+
+
+def _bad_request(chat: Chat, **kwargs: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(messages=FEW_SHOT[-1:], max_tokens=4, **kwargs)
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+# -- without the flags (the shared server) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "auto"}])
+def test_auto_without_flags_is_400_naming_them(chat: Chat, choice: dict) -> None:
+    body = _bad_request(chat, tools=[WEATHER], **choice)
+    assert "--enable-auto-tool-choice" in body["message"]
+    assert "--tool-call-parser" in body["message"] and body["param"] == "tool_choice"
+
+
+def test_empty_tools_is_400(chat: Chat) -> None:
+    assert _bad_request(chat, tools=[])["param"] == "tools"
+    assert _bad_request(chat, tools=[], tool_choice="none")["param"] == "tools"
+
+
+def test_named_function_not_in_tools_is_400(chat: Chat) -> None:
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    body = _bad_request(chat, tools=[WEATHER], tool_choice=choice)
+    assert "does not match any of the specified `tools`" in body["message"]
+    assert body["param"] == "tool_choice"
+
+
+def test_tool_choice_without_tools_is_400(chat: Chat) -> None:
+    body = _bad_request(chat, tool_choice="required")
+    assert "`tools` must be set" in body["message"]
+
+
+def test_hostile_tools_are_bounded(chat: Chat) -> None:
+    many = [{**WEATHER, "function": {**WEATHER["function"], "name": f"f{i}"}} for i in range(129)]
+    assert "at most 128 tools" in _bad_request(chat, tools=many, tool_choice="none")["message"]
+    huge = {"type": "object", "description": "x" * 40_000}
+    big = [{"type": "function", "function": {"name": "f", "parameters": huge}}]
+    assert (
+        "parameters must hold at most"
+        in _bad_request(chat, tools=big, tool_choice="required")["message"]
+    )
+
+
+def test_tool_choice_none_answers_text(chat: Chat) -> None:
+    response = chat(messages=FEW_SHOT[-1:], tools=[WEATHER], tool_choice="none", max_tokens=4)
+    (choice,) = response.choices
+    assert choice.message.tool_calls is None and choice.message.content
+
+
+# -- with the flags --------------------------------------------------------------------------------
+
+
+def _ask(chat: Chat, **kwargs: Any) -> Any:
+    return chat(messages=FEW_SHOT, tools=[WEATHER], temperature=0, max_tokens=60, **kwargs)
+
+
+def test_auto_tool_call_is_parsed(tool_chat: Chat) -> None:
+    (choice,) = _ask(tool_chat).choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_call(tool_chat: Chat) -> None:
+    (whole,) = _ask(tool_chat).choices
+    chunks = list(_ask(tool_chat, stream=True))
+    calls: dict[int, dict[str, Any]] = {}
+    num_argument_pieces = 0
+    for chunk in chunks:
+        for piece in chunk.choices[0].delta.tool_calls or ():
+            if piece.index not in calls:  # the first piece: id, type and name
+                assert piece.id and piece.type == "function" and piece.function.name
+                calls[piece.index] = {"name": piece.function.name, "arguments": ""}
+            else:
+                assert piece.id is None and piece.function.name is None
+                num_argument_pieces += 1
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+    assert num_argument_pieces > 1  # arguments arrive in fragments
+    expected = [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in whole.message.tool_calls
+    ]
+    assert [calls[i] for i in sorted(calls)] == expected
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]
+
+
+def test_tool_round_trip_through_the_template(tool_chat: Chat, tool_server: KilnServer) -> None:
+    (choice,) = _ask(tool_chat).choices
+    (call,) = choice.message.tool_calls
+    result = {"role": "tool", "tool_call_id": call.id, "content": "22 C and sunny"}
+    messages = [*FEW_SHOT, choice.message.model_dump(exclude_none=True), result]
+    answer = tool_chat(messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=20)
+    assert answer.choices[0].message.content
+    # What the template received: the call's arguments as an object, the tool's answer.
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(
+        f"{tool_server.url}/tokenize", json={"messages": messages}, headers=headers
+    ).json()["tokens"]
+    text = httpx.post(
+        f"{tool_server.url}/detokenize", json={"tokens": tokens}, headers=headers
+    ).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\n22 C and sunny\n</tool_response>" in text
+
+
+def test_reasoning_parser_leaves_an_answer_without_thinking_as_content(
+    tool_chat: Chat,
+) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    response = tool_chat(messages=messages, temperature=0, max_tokens=12)
+    message = response.choices[0].message.model_dump()
+    assert message["content"] and message["reasoning_content"] is None
