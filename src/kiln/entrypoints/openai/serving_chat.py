@@ -16,6 +16,8 @@ choice carrying its ``finish_reason``; with ``stream_options.include_usage`` a l
 With tools or a reasoning parser (see ``chat_tools``), the message also has ``tool_calls`` (when
 the model made calls; ``finish_reason`` is then ``tool_calls``) and ``reasoning_content`` (with
 ``--reasoning-parser``), and deltas carry ``tool_calls`` pieces and ``reasoning_content``.
+``response_format`` (``json_schema``, ``json_object``) and ``structured_outputs`` are enforced while
+sampling (``kiln.structured_output``).
 """
 
 from __future__ import annotations
