@@ -86,9 +86,9 @@ def test_plugin_config_errors_reach_kiln_plugins():
 
 CPU_SECTION_ALIAS = """
 from kiln.config import KilnConfig, PluginConfig
-from kiln.platforms import current_platform
 from kiln.plugins import init_process
 config = init_process("api", KilnConfig(plugins=PluginConfig(sections={SECTIONS})))
+from kiln.platforms import current_platform  # what init_process selected
 print(current_platform.name, current_platform.options(config).num_threads)
 """
 

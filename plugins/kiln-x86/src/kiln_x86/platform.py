@@ -157,9 +157,9 @@ class X86Platform(CpuPlatform):
     def init_worker_process(cls, config: KilnConfig) -> None:
         import torch
 
-        from kiln.plugins.manager import get_plugin_manager
+        from kiln.platforms import process_role
 
-        role = get_plugin_manager().role
+        role = process_role()
         plan = plan_binding(cls.options(config), role, usable_cpus())
         if plan.model_cpus is None:
             torch.set_num_threads(plan.num_threads)
