@@ -165,3 +165,79 @@ def test_reasoning_parser_leaves_an_answer_without_thinking_as_content(
     response = tool_chat(messages=messages, temperature=0, max_tokens=12)
     message = response.choices[0].message.model_dump()
     assert message["content"] and message["reasoning_content"] is None
+
+
+# -- required and named: enforced by structured outputs, no flag needed (the shared server) -------
+
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _calls(message: Any) -> list[tuple[str, Any]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def _check_arguments(name: str, arguments: Any) -> None:
+    """The arguments validate against the tool's schema (written out here, not from the code)."""
+    if name == "get_weather":
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    else:
+        assert name == "get_time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_choice_always_parses(chat: Chat, parallel: bool | None) -> None:
+    (choice,) = chat(
+        messages=QUESTION,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        temperature=0,
+        max_tokens=120,
+    ).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = _calls(choice.message)
+    assert calls and (parallel is None or len(calls) == 1)
+    for name, arguments in calls:
+        _check_arguments(name, arguments)
+
+
+def test_named_choice_always_parses(chat: Chat) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(3):  # sampled, not greedy: the constraint holds whatever is drawn
+        (choice,) = chat(
+            messages=QUESTION,
+            tools=[WEATHER, TIME],
+            tool_choice=named,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        ).choices
+        (call,) = _calls(choice.message)
+        _check_arguments(*call)
+        assert choice.finish_reason == "stop"  # as OpenAI answers a forced function
+
+
+def test_required_streamed_deltas_reassemble(chat: Chat) -> None:
+    kwargs = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required"}
+    kwargs |= {"temperature": 0, "max_tokens": 120}
+    (whole,) = chat(**kwargs).choices
+    calls: dict[int, list[str]] = {}
+    for chunk in chat(**kwargs, stream=True):
+        for piece in chunk.choices[0].delta.tool_calls or ():
+            if piece.id is not None:
+                calls[piece.index] = [piece.function.name, ""]
+            calls[piece.index][1] += piece.function.arguments or ""
+    expected = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == expected
