@@ -241,3 +241,19 @@ def test_required_streamed_deltas_reassemble(chat: Chat) -> None:
             calls[piece.index][1] += piece.function.arguments or ""
     expected = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls]
     assert [calls[i] for i in sorted(calls)] == expected
+
+
+def test_reasoning_split_whole_and_streamed(tool_chat: Chat) -> None:
+    # A regex makes the default model think in Qwen3's tags (it never does on its own).
+    regex = r"<think>[a-z ]{5,40}</think>[A-Z][a-z ]{5,40}\."
+    kwargs = {"messages": QUESTION, "temperature": 0, "max_tokens": 60}
+    kwargs["extra_body"] = {"structured_outputs": {"regex": regex}}
+    message = tool_chat(**kwargs).choices[0].message.model_dump()
+    assert message["reasoning_content"] and message["content"]
+    assert "think>" not in message["reasoning_content"] + message["content"]
+    reasoning = content = ""
+    for chunk in tool_chat(**kwargs, stream=True):
+        delta = chunk.choices[0].delta.model_dump()
+        reasoning += delta.get("reasoning_content") or ""
+        content += delta.get("content") or ""
+    assert (reasoning, content) == (message["reasoning_content"], message["content"])
