@@ -1,5 +1,5 @@
 """The offline ``LLM`` on the real default model: greedy parity with ``transformers``, preemption
-that changes nothing, aborts that free every block, and the front door's errors."""
+that changes nothing, aborts that free every block, and the front end's errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``AsyncLLM``: the asyncio front door the API server uses; the engine core runs in its own
+"""``AsyncLLM``: the asyncio front end the API server uses; the engine core runs in its own
 process (``AsyncMPClient``).
 
 ``generate()`` admits the request at once (refusals raise before it returns, so a server can

@@ -1,4 +1,4 @@
-"""What every front door (offline ``LLM``, ``AsyncLLM``) does around the engine core: load the
+"""What every front end (offline ``LLM``, ``AsyncLLM``) does around the engine core: load the
 tokenizer, render chat, validate and tokenize prompts, fan ``n > 1`` out into child requests, and
 turn engine-core outputs back into ``RequestOutput``s.
 """

@@ -1,4 +1,4 @@
-"""The offline front door: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``.
+"""The offline front end: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``.
 
 The engine core runs in this process. ``model=None`` serves the embedded default model
 (SmolLM2-135M-Instruct). Keyword arguments are ``kiln serve``'s flags with underscores
