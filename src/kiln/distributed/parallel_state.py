@@ -78,6 +78,22 @@ def get_tp_group() -> TensorParallelGroup:
     return _tp_group.get()
 
 
+def tp_group_for(tp_size: int | None) -> TensorParallelGroup:
+    """The group a parallel layer is built in: the current one (``get_tp_group``), whose size
+    ``tp_size`` (the layer's argument, None: any) must match.
+
+    Raises:
+        ValueError: ``tp_size`` given and different from the current group's size.
+    """
+    group = get_tp_group()
+    if tp_size is not None and tp_size != group.world_size:
+        raise ValueError(
+            f"tp_size={tp_size} differs from the tensor-parallel group the layer is built in "
+            f"(world_size={group.world_size}); allowed: None or {group.world_size}"
+        )
+    return group
+
+
 def init_distributed(
     config: KilnConfig,
     rank: int,
@@ -175,4 +191,5 @@ __all__ = [
     "init_distributed",
     "prepare_tensor_parallel_config",
     "set_tp_group",
+    "tp_group_for",
 ]

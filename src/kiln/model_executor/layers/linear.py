@@ -18,15 +18,14 @@ path wants.
 
 Tensor parallelism: a layer built inside ``kiln.distributed.parallel_state.set_tp_group`` keeps
 that group's rank and size. Column-parallel layers hold ``1 / tp_size`` of each fused output part
-(rank ``r`` the ``r``-th slice; attention heads go by whole KV groups, as evenly as they split,
-and key/value heads are replicated over ranks when there are fewer of them than ranks) and return
-their slice; row-parallel layers hold the matching slice of the
-input dimension and all-reduce their partial sums through the platform's communicator (rank 0
-holds the bias, the other ranks zeros). The collectives run outside the dispatched op, so a
-provider's ``linear`` implementation computes only its rank's product. Weight loaders take the
-whole checkpoint tensor and copy this rank's slice. Quantized methods are not sharded: with more
-than one rank a ``quant_config`` that gives a layer a method is refused (``ValueError``; use
-dense weights, ``--quantization none``).
+(rank ``r`` the ``r``-th slice; attention heads go by whole KV groups, as evenly as they split, and
+key/value heads are replicated over ranks when there are fewer of them than ranks) and return their
+slice; row-parallel layers hold the matching slice of the input dimension and all-reduce their
+partial sums through the platform's communicator (rank 0 holds the bias, the other ranks zeros).
+The collectives run outside the dispatched op, so a provider's ``linear`` implementation computes
+only its rank's product. Weight loaders take the whole checkpoint tensor and copy this rank's
+slice. Quantized methods are not sharded: with more than one rank a ``quant_config`` that gives a
+layer a method is refused (``ValueError``; use dense weights, ``--quantization none``).
 
 Every layer here is the custom op ``"linear"``: a provider may register a faster implementation
 for all of them at once. A layer built under a config with ``model.batch_invariant`` has
@@ -45,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.distributed.parallel_state import TensorParallelGroup, divide, get_tp_group
+from kiln.distributed.parallel_state import divide, tp_group_for
 from kiln.model_executor.custom_op import CustomOp, register_op
 
 WeightLoader = Callable[..., None]
@@ -83,21 +82,6 @@ def batch_invariant_enabled() -> bool:
 
     config = get_current_config()
     return config is not None and config.model.batch_invariant
-
-
-def tp_group_for(tp_size: int | None) -> TensorParallelGroup:
-    """The group a parallel layer is built in: the current one (``get_tp_group``).
-
-    Raises:
-        ValueError: ``tp_size`` given and different from the current group's size.
-    """
-    group = get_tp_group()
-    if tp_size is not None and tp_size != group.world_size:
-        raise ValueError(
-            f"tp_size={tp_size} differs from the tensor-parallel group the layer is built in "
-            f"(world_size={group.world_size}); allowed: None or {group.world_size}"
-        )
-    return group
 
 
 def check_unsharded_method(method: object, tp_size: int, prefix: str) -> None:
@@ -512,5 +496,4 @@ __all__ = [
     "check_unsharded_method",
     "default_weight_loader",
     "set_weight_attrs",
-    "tp_group_for",
 ]

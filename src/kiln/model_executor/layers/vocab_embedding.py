@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.distributed.parallel_state import tp_group_for
 from kiln.model_executor.custom_op import CustomOp, register_op
 from kiln.model_executor.layers.linear import (
     LinearMethodBase,
@@ -41,7 +42,6 @@ from kiln.model_executor.layers.linear import (
     check_unsharded_method,
     default_weight_loader,
     set_weight_attrs,
-    tp_group_for,
 )
 
 
