@@ -2,11 +2,11 @@
 
 Contract: Kiln's ``AttentionBackend`` (``kiln.model_executor.layers.attention.backend``) with the
 reference CPU backend's cache layout, ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-(keys, then values), so caches, block tables and slot mappings are the core's. ``forward`` writes
-the step's keys and values into the cache at their slots (as the reference does: one
-``index_copy_`` each), then one C++ call (``csrc/x86_attention.cpp``) attends every request of the
-step, decodes and prefills in any order, over its context where it lies in the cache: blocks are
-read through the block table, never gathered into a copy; a prefill with a cached prefix (a
+(keys, then values), so caches, block tables and slot mappings are the core's. ``forward`` is one
+C++ call (``csrc/x86_attention.cpp``) that writes the step's keys and values into the cache at
+their slots (as the reference's ``index_copy_`` does), then attends every request of the step,
+decodes and prefills in any order, over its context where it lies in the cache: blocks are read
+through the block table, never gathered into a copy; a prefill with a cached prefix (a
 prefix-cache hit, a later chunk of a long prompt) attends over the cached blocks plus its new
 tokens with the causal offset. Grouped-query heads share each K/V read; softmax and accumulation
 are float32 for float32 and bfloat16 caches.
@@ -124,22 +124,19 @@ class X86AttentionImpl(AttentionImpl[Any]):
             return self.reference.forward(layer, query, key, value, kv_cache, attn_metadata)
         md: X86AttentionMetadata = attn_metadata
         num_tokens, n = query.shape[0], md.num_actual_tokens
-        key_cache, value_cache = kv_cache.unbind(0)  # each [num_blocks, block_size, Hkv, D]
-        # [num_blocks * block_size, Hkv, D] views; slots are rows.
-        key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(
-            0, md.slot_mapping, key[:n].to(key_cache.dtype)
-        )
-        value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(
-            0, md.slot_mapping, value[:n].to(value_cache.dtype)
-        )
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, Hkv, D]
         out = query.new_empty(num_tokens, self.num_heads, self.head_size, dtype=key_cache.dtype)
         if num_tokens > n:
             out[n:].zero_()
-        self.kernels.paged_attention(
+        # One call writes the step's keys and values at their slots, then attends.
+        self.kernels.paged_attention_update(
             out,
             query.to(key_cache.dtype),
+            key.to(key_cache.dtype),
+            value.to(key_cache.dtype),
             key_cache,
             value_cache,
+            md.slot_mapping,
             md.block_table,
             md.query_start_loc,
             md.seq_lens,

@@ -600,9 +600,55 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   }
 }
 
+// Writes the step's keys and values [>= n, Hkv, D] (tokens may be strided, each token dense) into the
+// caches at slot_mapping [n] int64 (slot = block * block_size + offset), then runs
+// paged_attention: the cache update and the attention of one layer in one call.
+void paged_attention_update(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  const int64_t n = slot_mapping.size(0);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t row = key_cache.size(2) * key_cache.size(3);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  for (const auto* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) >= n && t->size(1) * t->size(2) == row &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "key and value must be [>= n, Hkv, D] with each token dense");
+  }
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type(),
+              "key and value must have the caches' dtype");
+  TORCH_CHECK(key_cache.stride(2) == key_cache.size(3) && key_cache.stride(3) == 1 &&
+                  key_cache.strides() == value_cache.strides(),
+              "each cache slot must be dense [Hkv, D]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t bytes = row * static_cast<int64_t>(key.element_size());
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t es = key.element_size();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < num_blocks * block_size, "slot ", slot,
+                " is outside the cache");
+    const int64_t offset = ((slot / block_size) * key_cache.stride(0) +
+                        (slot % block_size) * key_cache.stride(1)) * es;
+    std::memcpy(kc + offset, kp + t * key.stride(0) * es, bytes);
+    std::memcpy(vc + offset, vp + t * value.stride(0) * es, bytes);
+  }
+  paged_attention(out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                  scale, sliding_window);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "paged attention over the KV cache in place (decodes, prefills, cached prefixes)");
+  m.def("paged_attention_update", &paged_attention_update,
+        "write the step's keys and values into the caches, then paged_attention");
 }

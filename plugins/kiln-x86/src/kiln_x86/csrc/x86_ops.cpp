@@ -50,24 +50,92 @@ void check_cpu_contiguous_last(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, " must be contiguous in its last dim");
 }
 
-// x (+ residual) -> (normed, x + residual), as the reference computes it, op for op, so the
-// results are bit-identical: float32 is F.rms_norm's fused kernel; reduced precision normalizes
-// in float32, rounds once, then scales in the model dtype (Hugging Face's rounding order). What
-// the call saves is the Python work between the reference's two (float32) or seven (bfloat16)
-// ops. (A one-pass kernel was 2x faster still but summed the squares in another order, which
-// changes the last bit of some results; Kiln's tests hold the norm to bitwise equality with
-// Hugging Face's.)
+// bfloat16 add + RMSNorm in Hugging Face's rounding order, in two passes around one ATen
+// reduction: pass 1 rounds x + residual to bfloat16 and writes its float32 squares; ATen's own
+// `mean` averages them (the sum in the reference's order, so the variance is the reference's
+// bit for bit); pass 2 scales by 1 / sqrt(variance + eps) (IEEE division and square root, as
+// ATen's rsqrt), rounds, and multiplies by the weight with one more rounding, as the reference's
+// bfloat16 `weight * x` does.
+std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                      const at::Tensor& weight, double eps) {
+  using T = c10::BFloat16;
+  const int64_t d = x.size(-1);
+  const auto x2 = x.reshape({-1, d});
+  const int64_t rows = x2.size(0);
+  at::Tensor r2, sum;
+  if (residual.has_value()) {
+    r2 = residual->reshape({-1, d});
+    sum = at::empty({rows, d}, x.options());
+  }
+  const auto w = weight.contiguous();
+  auto squares = at::empty({rows, d}, x.options().dtype(at::kFloat));
+  auto out = at::empty({rows, d}, x.options());
+  const T* xp = x2.data_ptr<T>();
+  const T* rp = residual.has_value() ? r2.data_ptr<T>() : nullptr;
+  T* sp = residual.has_value() ? sum.data_ptr<T>() : nullptr;
+  float* qp = squares.data_ptr<float>();
+  const int64_t xs = x2.stride(0), rs = residual.has_value() ? r2.stride(0) : 0;
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xr = xp + t * xs;
+      float* q = qp + t * d;
+      if (rp != nullptr) {
+        const T* rr = rp + t * rs;
+        T* sr = sp + t * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = to_float(round_to<T>(to_float(xr[i]) + to_float(rr[i])));
+          sr[i] = round_to<T>(v);
+          q[i] = v * v;
+        }
+      } else {
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = to_float(xr[i]);
+          q[i] = v * v;
+        }
+      }
+    }
+  });
+  const auto variance = squares.mean(-1);  // [rows] float32
+  const float* vp = variance.data_ptr<float>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* src = rp != nullptr ? sp : xp;
+  const int64_t ss = rp != nullptr ? d : xs;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float scale = 1.0f / std::sqrt(vp[t] + e);
+      const T* xr = src + t * ss;
+      T* o = op + t * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float h = to_float(round_to<T>(to_float(xr[i]) * scale));
+        o[i] = round_to<T>(to_float(wp[i]) * h);
+      }
+    }
+  });
+  auto shape = x.sizes().vec();
+  if (residual.has_value()) return {out.view(shape), sum.view(shape)};
+  return {out.view(shape)};
+}
+
+// x (+ residual) -> (normed, x + residual), as the reference computes it, so the results are
+// bit-identical: float32 is F.rms_norm's fused kernel (one ATen op after the add); bfloat16 is
+// rms_norm_bf16 above (one ATen op). (A fully one-pass kernel summed the squares in another order
+// than ATen's `mean`, which changes the last bit of some results; Kiln's tests hold the norm to
+// bitwise equality with Hugging Face's.)
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                  const at::Tensor& weight, double eps) {
   check_cpu_contiguous_last(x, "x");
   const int64_t d = x.size(-1);
   TORCH_CHECK(weight.numel() == d, "weight has ", weight.numel(), " elements, x's last dim is ", d);
-  at::Tensor sum = x;
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "residual must have x's shape and dtype");
-    sum = at::add(x, *residual);
   }
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+    return rms_norm_bf16(x, residual, weight, eps);
+  }
+  at::Tensor sum = residual.has_value() ? at::add(x, *residual) : x;
   at::Tensor out;
   if (sum.scalar_type() == at::kFloat) {
     out = at::rms_norm(sum, {d}, weight, eps);
