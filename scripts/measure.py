@@ -34,18 +34,18 @@ LAYERS: list[list[str]] = [
     # What everything may use: plain data, config, wire messages, the registry type, the
     # interface checks, the plugin config sections.
     ["utils", "config", "sampling_params", "outputs", "forward_context", "messages",
-     "plugins.registry", "plugins.interfaces", "plugins.config"],
+     "plugins.registry", "plugins.interfaces", "plugins.config", "lora.request"],
     ["patches"],
     # The parts of a forward; hardware-independent; they do not pick a platform.
-    ["model_executor", "sampling", "distributed"],
+    # LoRA: adapter folders, the lora_apply op and the runner's adapter slots.
+    ["model_executor", "sampling", "distributed", "lora"],
     # Platforms fill the op and class seams of the layers below; the tokenizer reads GGUF files.
     ["platforms", "tokenizer"],
     # Discovery, selection, lifecycle, introspection of plugins.
     ["plugins"],
     # Scheduling and the KV cache: token ids only; structured outputs' grammars and bitmasks,
-    # which the scheduler fills and the front end checks at admission; the reasoning parsers,
-    # which split the chat route's answers and tell the engine core where an answer starts.
-    ["scheduler", "structured_output", "reasoning"],
+    # which the scheduler fills and the front end checks at admission.
+    ["scheduler", "structured_output"],
     ["worker", "executor"],
     # The front end (input and output processing) and the engine core's loop and process.
     ["engine"],
@@ -53,7 +53,7 @@ LAYERS: list[list[str]] = [
 ]  # fmt: skip
 """Kiln's layers, lowest first: a module may import its own layer and the layers below it."""
 
-UNITS_ON_THEIR_OWN = ("plugins.registry", "plugins.interfaces", "plugins.config")
+UNITS_ON_THEIR_OWN = ("plugins.registry", "plugins.interfaces", "plugins.config", "lora.request")
 """Modules that are units of their own, apart from their package (listed in ``LAYERS``)."""
 
 

@@ -15,6 +15,7 @@ _LAZY = {
     "SamplingParams": "kiln.sampling_params",
     "LLM": "kiln.entrypoints.llm",
     "KilnConfig": "kiln.config",
+    "LoRARequest": "kiln.lora.request",
 }
 
 

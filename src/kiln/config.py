@@ -326,6 +326,24 @@ class PluginConfig:
     each plugin declares and validates its own (see ``kiln plugins``)."""
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: PEFT adapters chosen per request, several of them in one batch."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters: ``--lora-modules``, ``LoRARequest`` offline, a request's ``model``."""
+    max_loras: int = 1
+    """Most distinct adapters in one batch (the slots of stacked adapter weights); a request for
+    another adapter waits until a slot's requests finish."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served; an adapter of a higher rank is refused when loaded. Every
+    slot is this wide, so it sets the cost of the LoRA matmuls."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_loras >= 1, "lora.max_loras", self.max_loras, "an integer >= 1")
+        _check(self.max_lora_rank >= 1, "lora.max_lora_rank", self.max_lora_rank, "an integer >= 1")
+
+
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
 """Values of ``structured_outputs.backend`` (``"guidance"`` is llguidance, as in vLLM)."""
 
@@ -343,9 +361,7 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[
         data = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as exc:
         raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from exc
-    allowed = [
-        f.name for f in dataclasses.fields(StructuredOutputsConfig) if f.name != "reasoning_parser"
-    ]
+    allowed = [f.name for f in dataclasses.fields(StructuredOutputsConfig)]
     if not isinstance(data, dict) or not set(data) <= set(allowed):
         raise ValueError(
             f"structured_outputs_config={value!r} is invalid; allowed: a JSON object with keys in "
@@ -358,8 +374,7 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[
 class StructuredOutputsConfig:
     """Structured outputs (JSON schema, regex, choice, grammar): the grammar engine and its bounds.
 
-    The grammar fields are set by one flag, ``--structured-outputs-config '{"backend":
-    "guidance"}'``; ``reasoning_parser`` by its own, ``--reasoning-parser`` (vLLM's flags)."""
+    All fields are set by one flag, ``--structured-outputs-config '{"backend": "guidance"}'``."""
 
     backend: str = field(
         default="auto",
@@ -376,10 +391,6 @@ class StructuredOutputsConfig:
     )
     """A request whose grammar has not compiled after this long finishes with finish reason
     "error" (compiles run in a thread pool, never on the engine loop)."""
-    reasoning_parser: str | None = field(default=None, metadata={"metavar": "NAME"})
-    """The model thinks before it answers, in this parser's format: qwen3 (<think>...</think>) or
-    a name a plugin registered. The chat route splits the thinking into reasoning_content, and a
-    structured output constrains only the answer after it, as in vLLM."""
 
     def __post_init__(self) -> None:
         _check(
@@ -405,6 +416,7 @@ class KilnConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
@@ -454,6 +466,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "device": DeviceConfig,
+    "lora": LoRAConfig,
     "plugins": PluginConfig,
     "structured_outputs": StructuredOutputsConfig,
 }

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from kiln.lora.request import LoRARequest
 from kiln.sampling_params import SamplingParams
 
 
@@ -41,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
@@ -105,6 +108,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens whose KV is already in the blocks (prefix-cache hits)."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 @dataclass

@@ -13,6 +13,8 @@ from kiln.config import KilnConfig
 from kiln.engine.input_processor import InputProcessor, PromptType, fan_out, prompt_text
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request_state import ParentRequest
+from kiln.lora.peft import AdapterChecker
+from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.model_executor.loader.default_model import DEFAULT_MODEL_NAME
@@ -66,6 +68,11 @@ class Frontend:
             self.tokenizer.eos_token_id,
             vocab_size=int(hf_config.get("vocab_size") or self.tokenizer.vocab_size),
             structured_outputs_backend=config.structured_outputs.backend,
+            lora_checker=(
+                AdapterChecker(config.lora.max_lora_rank, hf_config)
+                if config.lora.enable_lora
+                else None
+            ),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -76,6 +83,7 @@ class Frontend:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate ``prompt``, register it with the output processor, and return the engine-core
         requests to send (one per completion when ``n > 1``). An ``EngineCoreRequest`` is one
@@ -89,7 +97,7 @@ class Frontend:
             request, text = prompt, None
         else:
             request = self.input_processor.process(
-                request_id, prompt, params, arrival_time, priority
+                request_id, prompt, params, arrival_time, priority, lora_request=lora_request
             )
             text = prompt_text(prompt)
         children = fan_out(request)

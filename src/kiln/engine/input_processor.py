@@ -17,11 +17,12 @@ What it must not know: scheduling, the engine core's internals, how outputs are 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
+from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest
 from kiln.sampling_params import SamplingParams
 from kiln.structured_output import validate_structured_outputs
@@ -110,6 +111,8 @@ class InputProcessor:
         vocab_size: number of valid token ids; default: the tokenizer's.
         structured_outputs_backend: ``structured_outputs.backend``: the grammar engine that must
             read a request's ``structured_outputs`` (checked here, before the engine sees it).
+        lora_checker: checks a request's ``LoRARequest`` (``kiln.lora.peft.AdapterChecker``:
+            LoRA enabled, the adapter fits the model); None refuses every adapter.
     """
 
     def __init__(
@@ -122,8 +125,10 @@ class InputProcessor:
         *,
         vocab_size: int | None = None,
         structured_outputs_backend: str = "auto",
+        lora_checker: Callable[[LoRARequest], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.lora_checker = lora_checker
         self.structured_outputs_backend = structured_outputs_backend
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -152,6 +157,7 @@ class InputProcessor:
         priority: int = 0,
         *,
         prompt_name: str = "prompt",
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The engine-core request for ``prompt`` (see the module docstring).
 
@@ -163,8 +169,11 @@ class InputProcessor:
                 vocabulary, or does not fit ``max_model_len`` (with ``max_tokens`` when set).
             ValueError: the prompt is of the wrong type; the params ask for more
                 logprobs than ``max_logprobs`` or name token ids outside the vocabulary; their
-                ``structured_outputs`` spec is one the grammar engine cannot read.
+                ``structured_outputs`` spec is one the grammar engine cannot read; a
+                ``lora_request`` the engine cannot serve (``check_lora``).
         """
+        if lora_request is not None:
+            self.check_lora(lora_request)
         prompt_token_ids = self._tokenize(prompt, prompt_name)
         params = params.clone()
         self._check_length(len(prompt_token_ids), params.max_tokens)
@@ -177,7 +186,18 @@ class InputProcessor:
             eos_token_id=None if params.ignore_eos else self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
+            lora_request=lora_request,
         )
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raises ``ValueError`` unless LoRA is on and the adapter fits the model (its folder
+        is read once per adapter)."""
+        if self.lora_checker is None:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r} needs LoRA enabled; allowed: no adapter "
+                "without lora.enable_lora (--enable-lora)"
+            )
+        self.lora_checker(lora_request)
 
     def _tokenize(self, prompt: PromptType, name: str) -> list[int]:
         if isinstance(prompt, Mapping):

@@ -8,6 +8,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.frontend import Frontend
 from kiln.engine.input_processor import PromptType
 from kiln.engine.stats import StatsRecorder
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -25,10 +26,18 @@ class LLMEngine:
         self.stats = StatsRecorder(10.0 if log_stats else 0.0)
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` for an invalid prompt or params."""
-        for request in self.frontend.make_requests(request_id, prompt, params, priority):
+        """Queue a request. Raises ``ValueError`` for an invalid prompt, params or adapter."""
+        requests = self.frontend.make_requests(
+            request_id, prompt, params, priority, lora_request=lora_request
+        )
+        for request in requests:
             self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:

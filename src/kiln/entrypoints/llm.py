@@ -18,6 +18,7 @@ from tqdm import tqdm
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.input_processor import PromptType
 from kiln.engine.llm_engine import LLMEngine
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.plugins import init_process
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -43,6 +44,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in the order of ``prompts``.
 
@@ -51,6 +53,8 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar.
             priority: per prompt; lower runs first.
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
+                model); needs ``enable_lora=True``.
 
         Raises:
             ValueError: an invalid prompt or params (nothing is queued then).
@@ -71,7 +75,14 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
             )
-        return self._run(prompts, params_list, use_tqdm, priority)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -121,6 +132,7 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = []
@@ -130,7 +142,13 @@ class LLM:
                     params = params.clone()
                     params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    params,
+                    priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
+                )
                 request_ids.append(request_id)
         except ValueError:
             engine.abort_request(request_ids)

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest, FinishReason
 from kiln.sampling_params import SamplingParams
 
@@ -59,6 +60,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     """Lower runs first (as in vLLM); ties go by arrival."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with (None: the base model); its blocks are hashed apart."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -86,6 +89,7 @@ class Request:
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            lora_request=request.lora_request,
         )
 
     @property

@@ -12,6 +12,8 @@ Each ``schedule()`` hands out ``{request_id: num_new_tokens}`` under ``max_num_b
    compute. A prompt longer than the remaining budget is split over steps (chunked prefill); with
    ``enable_chunked_prefill=False`` it waits for a step with room instead, unless it is longer than
    the whole budget, which it could never get: then it is split anyway.
+   With LoRA, a request for an adapter that no running request uses waits (and holds back the
+   queue behind it) while ``lora.max_loras`` other adapters run: a step fits that many slots.
 
 ``update_from_output()`` advances ``num_computed_tokens`` by what was scheduled, appends sampled
 tokens and checks stops in this order: EOS (unless ``ignore_eos``), ``stop_token_ids`` (both only
@@ -84,6 +86,8 @@ class Scheduler(SchedulerInterface):
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
+        """Most distinct LoRA adapters among running requests (0: LoRA off)."""
         self.block_size = config.cache.block_size
         capacity = (num_blocks - 1) * self.block_size
         max_model_len = config.model.max_model_len or capacity
@@ -233,10 +237,14 @@ class Scheduler(SchedulerInterface):
 
         # A step that preempted is short of blocks: admitting now would only thrash.
         waiting = self.waiting
+        running_loras = self._running_loras()
         while (
             not num_preempted and waiting and token_budget > 0 and len(running) < self.max_num_seqs
         ):
             request = waiting.peek()
+            lora = request.lora_request
+            if lora is not None and len(running_loras | {lora.lora_int_id}) > self.max_loras:
+                break  # Every adapter slot is taken by running requests.
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None and num_hit_tokens:
                 # Prompt logprobs need logits at every prompt position: recompute the prefix.
@@ -268,8 +276,11 @@ class Scheduler(SchedulerInterface):
                     sampling_params=request.sampling_params,
                     block_ids=block_ids,
                     num_computed_tokens=num_hit_tokens,
+                    lora_request=lora,
                 )
             )
+            if lora is not None:
+                running_loras.add(lora.lora_int_id)
             num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
 
@@ -284,6 +295,12 @@ class Scheduler(SchedulerInterface):
             structured_output_request_ids=grammar_req_ids,
             grammar_bitmask=grammar_bitmask,
         )
+
+    def _running_loras(self) -> set[int]:
+        """The adapter ids of the running requests (each holds one of ``max_loras`` slots)."""
+        if not self.max_loras:
+            return set()
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -382,9 +399,7 @@ class Scheduler(SchedulerInterface):
             error = None
             if grammar.done():
                 try:
-                    request.matcher = self.structured_output_manager.make_matcher(
-                        grammar, request.prompt_token_ids
-                    )
+                    request.matcher = self.structured_output_manager.make_matcher(grammar)
                 except Exception as exc:  # a compile error of any kind ends this request only
                     error = f"structured_outputs: {exc}"
             elif now - request.grammar_wait_start > max_seconds:

@@ -28,6 +28,7 @@ import torch
 
 from kiln.config import KilnConfig, set_current_config
 from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.lora.model_manager import LoRAModelManager
 from kiln.messages import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     LogprobsLists,
@@ -69,6 +70,8 @@ class ModelRunner(ModelRunnerBase):
         self.hf_config: dict[str, Any] = {}
         self.max_model_len = 0
         self.input_batch: InputBatch | None = None
+        self.lora_manager: LoRAModelManager | None = None
+        """Adapter slots over the model, when ``lora.enable_lora``."""
         self.kv_caches: dict[str, torch.Tensor] = {}
         # Prompt logprobs of chunked prefills, gathered until the prompt is complete.
         self._prompt_logprobs: dict[str, list[LogprobsLists]] = {}
@@ -90,6 +93,12 @@ class ModelRunner(ModelRunnerBase):
         self.model = model
         self.runnable = wrapper_cls(model, self.config)
         self.graph_sizes = graph_capture_sizes(self.config, current_platform.supports_graph_capture)
+        if self.config.lora.enable_lora:
+            # A step's adapter slots are an input no captured graph knows about: run eagerly.
+            self.graph_sizes = []
+            self.lora_manager = LoRAModelManager(
+                model, self.config.lora, self.hf_config, self.dtype, self.device
+            )
         model_len = int(self.hf_config.get("max_position_embeddings") or 2048)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
         self.vocab_size = int(self.hf_config["vocab_size"])
@@ -136,6 +145,8 @@ class ModelRunner(ModelRunnerBase):
             dtype=np.int64,
         )
         input_ids, positions, common = self._prepare_inputs(rows, num_scheduled)
+        if self.lora_manager is not None:
+            self.lora_manager.set_active_loras([batch.req_ids[row] for row in rows], num_scheduled)
         attn_metadata = self.metadata_builder.build(common)
         logits_indices = common.query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
         num_tokens = len(input_ids)
@@ -223,6 +234,8 @@ class ModelRunner(ModelRunnerBase):
         for req_id in scheduler_output.finished_req_ids:
             batch.remove_request(req_id)
             self._prompt_logprobs.pop(req_id, None)
+            if self.lora_manager is not None:
+                self.lora_manager.remove_request(req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -233,6 +246,8 @@ class ModelRunner(ModelRunnerBase):
         for new in scheduler_output.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # resumed after preemption: start afresh
             batch.add_request(new)
+            if self.lora_manager is not None:
+                self.lora_manager.add_request(new.req_id, new.lora_request)
 
     def _prepare_inputs(
         self, rows: list[int], num_scheduled: np.ndarray

@@ -24,6 +24,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -54,7 +55,13 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.serving_chat import OpenAIServingChat
 from kiln.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kiln.entrypoints.openai.serving_engine import ServerOptions, ServerState
-from kiln.entrypoints.openai.serving_models import OpenAIServingModels, OpenAIServingTokenization
+from kiln.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingModels,
+    OpenAIServingTokenization,
+    UnloadLoRAAdapterRequest,
+    parse_lora_modules,
+)
 from kiln.messages import EngineDeadError
 from kiln.model_executor.loader import resolve_model_ref
 
@@ -192,6 +199,16 @@ def build_app(
     @app.get("/v1/models")
     async def list_models() -> Response:
         return _json(models.list_models())
+
+    if state.options.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            return Response(await models.load_lora_adapter(request), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return Response(models.unload_lora_adapter(request), media_type="text/plain")
 
     @app.get("/health")
     async def health() -> Response:
@@ -347,9 +364,16 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
                 trust_request_chat_template=args.trust_request_chat_template,
                 max_n=args.max_n,
                 tools=_tool_options(args),
+                allow_runtime_lora_updating=_allow_runtime_lora_updating(args),
             )
             model_path = resolve_model_ref(config.model.model)
             state = ServerState(llm, llm.model_name, model_path, options=options)
+            for name, path in parse_lora_modules(args.lora_modules):
+                try:
+                    OpenAIServingModels(state).add_lora(name, path)
+                except OpenAIError as exc:
+                    logger.error("--lora-modules %s=%s: %s", name, path, exc)
+                    return 1
             shutdown_timeout = max(0.0, args.shutdown_timeout)
             server = _Server(
                 uvicorn.Config(
@@ -395,6 +419,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         config = init_process("api", EngineArgs.from_cli_args(args).create_config())
         _tool_options(args)  # parser names, once general plugins have registered theirs
+        if parse_lora_modules(args.lora_modules) and not config.lora.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
     except (ValueError, PlatformSelectionError) as exc:
         # A config the user can fix, or a platform Kiln refuses (none found, two, an API
         # version of another major, a name mismatch): one line, like any config error.
@@ -409,6 +435,13 @@ def run_server(args: argparse.Namespace) -> int:
         return _run(serve(args, config, sock))
     finally:
         sock.close()
+
+
+def _allow_runtime_lora_updating(args: argparse.Namespace) -> bool:
+    """``--allow-runtime-lora-updating``, or ``KILN_ALLOW_RUNTIME_LORA_UPDATING`` set to true/1
+    (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
+    env = os.environ.get("KILN_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
+    return bool(args.allow_runtime_lora_updating) or env in ("1", "true")
 
 
 def _tool_options(args: argparse.Namespace) -> ToolServerOptions:

@@ -77,6 +77,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "llama3_json, or a name a plugin registered",
     )
     g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the model's thinking into reasoning_content: qwen3 (<think>...</think>), or "
+        "a name a plugin registered",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) clients may name in `model`: name=path items, or "
+        'vLLM\'s JSON form \'{"name": "sql", "path": "/adapters/sql"}\'; needs --enable-lora',
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+        "KILN_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=UVICORN_LOG_LEVELS,

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
     request_fields = frozenset(ChatCompletionRequest.model_fields)
 
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.note_unknown_fields(request)
         tool_options = self.state.options.tools
         plan = plan_tools(request, tool_options)
@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
             chat_template_kwargs=template_kwargs,
         )
         request_id = self.make_request_id("chatcmpl", request, raw)
-        engine_requests = self.process(request_id, [prompt], params, request.priority)
+        engine_requests = self.process(request_id, [prompt], params, request.priority, lora_request)
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
         run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs)

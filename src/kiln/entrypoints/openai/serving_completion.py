@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
     request_fields = frozenset(CompletionRequest.model_fields)
 
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.note_unknown_fields(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not currently supported", param="suffix")
@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_ready()
         prompts = await self._prompts(request)
         request_id = self.make_request_id("cmpl", request, raw)
-        engine_requests = self.process(request_id, prompts, params, request.priority)
+        engine_requests = self.process(request_id, prompts, params, request.priority, lora_request)
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:

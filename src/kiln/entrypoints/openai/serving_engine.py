@@ -39,6 +39,7 @@ from kiln.entrypoints.openai.chat_tools import ToolServerOptions
 from kiln.entrypoints.openai.errors import OpenAIError, bad_request, to_openai_error
 from kiln.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel
 from kiln.entrypoints.openai.streams import merge_async_iterators, run_or_abort, sse_events
+from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest
 from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -67,6 +68,8 @@ class ServerOptions:
     tools: ToolServerOptions = field(default_factory=ToolServerOptions)
     """Tool-call and reasoning parsing (``--enable-auto-tool-choice``, ``--tool-call-parser``,
     ``--reasoning-parser``)."""
+    allow_runtime_lora_updating: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
 
 
 @dataclass
@@ -83,6 +86,12 @@ class ServerState:
     active_request_ids: set[str] = field(default_factory=set)
     """Engine request ids of the generation requests in flight (aborted at shutdown)."""
     options: ServerOptions = field(default_factory=ServerOptions)
+    lora_requests: dict[str, LoRARequest] = field(default_factory=dict)
+    """The LoRA adapters clients may name in ``model``, by name (``--lora-modules`` and
+    ``/v1/load_lora_adapter``)."""
+    next_lora_id: int = 1
+    """The ``lora_int_id`` of the next adapter loaded; ids are never reused, so an adapter
+    loaded again under an old name shares no prefix-cache blocks with its predecessor."""
     warned_fields: set[str] = field(default_factory=set)
     """Unknown field names already logged (at most ``MAX_WARNED_FIELDS``)."""
     executor: ThreadPoolExecutor = field(init=False)
@@ -152,10 +161,18 @@ class OpenAIServing:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        """Raises a 404 ``OpenAIError`` when ``model`` is given and is not the served model."""
-        if model is not None and model != self.state.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model, or no ``model``).
+
+        Raises:
+            OpenAIError: 404 when ``model`` is neither the served model nor a loaded adapter.
+        """
+        if model is None or model == self.state.model_name:
+            return None
+        lora_request = self.state.lora_requests.get(model)
+        if lora_request is None:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
+        return lora_request
 
     def check_ready(self) -> None:
         """Raises a 503 ``OpenAIError`` when the server cannot take a generation request now."""
@@ -316,7 +333,12 @@ class OpenAIServing:
             raise bad_request(exc, self.request_fields) from None
 
     def process(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Each prompt validated by the input processor, as the engine request it runs as (a 400
         before any byte is sent). The engine ids derive from ``request_id`` and are unique even
@@ -339,6 +361,7 @@ class OpenAIServing:
                         None,
                         priority,
                         prompt_name=f"prompt {index}",
+                        lora_request=lora_request,
                     )
                 )
             except ValueError as exc:

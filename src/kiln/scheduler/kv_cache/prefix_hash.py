@@ -1,10 +1,12 @@
 """Prefix hashing: one chained hash per full block of a request's tokens.
 
-Contract: the hash of block ``i`` is ``hash((hash of block i-1, tuple(block i's token ids)))``,
-with a root hash standing in for block ``-1``. Chaining makes a block's hash name the whole prefix
-that ends with it, so equal hashes mean equal prefixes (up to 64-bit collisions) and one cached
-block can serve every request that starts the same way. Only full blocks get a hash: a partial
-block's tokens are still changing.
+Contract: the hash of block ``i`` is ``hash((hash of block i-1, tuple(block i's token ids)))``, with
+a root hash standing in for block ``-1``; a request that runs with a LoRA adapter starts from a root
+of its adapter's own (``request_root_hash``), so two adapters never share a block (their keys and
+values differ) while requests of the same adapter do. Chaining makes a block's hash name the whole
+prefix that ends with it, so equal hashes mean equal prefixes (up to 64-bit collisions) and one
+cached block can serve every request that starts the same way. Only full blocks get a hash: a
+partial block's tokens are still changing.
 
 Hashes are computed once per block and appended to ``request.block_hashes`` as tokens arrive, prompt
 and output alike, so the cost per step is the number of blocks that became full, never the length of
@@ -36,6 +38,13 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def request_root_hash(request: Request, root_hash: int) -> int:
+    """The parent hash of ``request``'s first block: the cache's root, or for a request with a
+    LoRA adapter the root chained with the adapter's id."""
+    lora = request.lora_request
+    return root_hash if lora is None else hash((root_hash, lora.lora_int_id))
+
+
 def get_token_ids(request: Request, start: int, end: int) -> list[int]:
     """``request``'s token ids in ``[start, end)`` over prompt + output, without concatenating
     the whole sequence."""
@@ -64,7 +73,7 @@ def update_block_hashes(
         num_tokens = request.num_tokens
     block_hashes = request.block_hashes
     num_full_blocks = num_tokens // block_size
-    parent_hash = block_hashes[-1] if block_hashes else root_hash
+    parent_hash = block_hashes[-1] if block_hashes else request_root_hash(request, root_hash)
     for i in range(len(block_hashes), num_full_blocks):
         token_ids = get_token_ids(request, i * block_size, (i + 1) * block_size)
         parent_hash = hash_block_tokens(parent_hash, token_ids)

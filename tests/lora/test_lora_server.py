@@ -1,0 +1,149 @@
+"""LoRA over HTTP: ``--lora-modules``, the request's ``model`` picking the adapter, ``/v1/models``
+listing adapters with their ``parent``, and ``/v1/load_lora_adapter`` /
+``/v1/unload_lora_adapter`` while requests run (one server for the module, a tiny random Llama in
+float32; ``--max-loras 2`` so three adapters in flight make requests wait for a slot)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from kiln import LLM, SamplingParams
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
+from serve_utils import BASE_ARGS, KilnServer  # noqa: E402
+
+PROMPT = [1, 17, 42, 99, 7, 3, 250, 31]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_base, adapters, gguf_path) -> Iterator[KilnServer]:
+    args = [tiny_base, "--tokenizer", gguf_path, *BASE_ARGS, "--max-num-seqs", "8"]
+    args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    args += ["--lora-modules", f"a0={adapters[0].path}", "--allow-runtime-lora-updating"]
+    server = KilnServer(args)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_base, adapters, gguf_path) -> dict[str | None, str]:
+    """Greedy text of ``PROMPT`` per adapter name (None: the base), from the merged models."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    texts: dict[str | None, str] = {}
+    for name, folder in [(None, tiny_base)] + [(a.name, a.merged) for a in adapters]:
+        llm = LLM(folder, tokenizer=gguf_path, dtype="float32", kv_cache_memory=0.05)
+        texts[name] = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        llm.llm_engine.shutdown()
+    return texts
+
+
+def _complete(http: httpx.Client, model: str) -> httpx.Response:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return http.post("/v1/completions", json=body)
+
+
+def _models(http: httpx.Client) -> dict[str, dict]:
+    return {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+
+
+def test_models_lists_adapters_with_their_parent(http, adapters):
+    models = _models(http)
+    base = next(card for card in models.values() if card["parent"] is None)
+    assert models["a0"]["parent"] == base["id"]
+    assert models["a0"]["root"] == adapters[0].path
+
+
+def test_model_field_picks_the_adapter(http, expected):
+    base_name = _base_name(http)
+    for model, name in ((base_name, None), ("a0", "a0")):
+        response = _complete(http, model)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected[name], model
+
+
+def test_unknown_adapter_is_a_404(http):
+    response = _complete(http, "no-such-adapter")
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "model"
+
+
+def _base_name(http: httpx.Client) -> str:
+    return next(card["id"] for card in _models(http).values() if card["parent"] is None)
+
+
+def test_load_and_unload_while_requests_run(http, adapters, expected):
+    base_name = _base_name(http)
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(_complete, http, "a0") for _ in range(3)]
+        for adapter in adapters[1:]:
+            body = {"lora_name": adapter.name, "lora_path": adapter.path}
+            response = http.post("/v1/load_lora_adapter", json=body)
+            assert response.status_code == 200, response.text
+        # Three adapters and the base model in flight, two adapter slots.
+        more = [
+            (name, pool.submit(_complete, http, model))
+            for name, model in (("a1", "a1"), ("a2", "a2"), (None, base_name), ("a1", "a1"))
+        ]
+        response = http.post("/v1/unload_lora_adapter", json={"lora_name": "a0"})
+        assert response.status_code == 200, response.text
+        for future in running:  # admitted before the unload: they finish with a0
+            result = future.result()
+            assert result.status_code == 200, result.text
+            assert result.json()["choices"][0]["text"] == expected["a0"]
+        for name, future in more:
+            result = future.result()
+            assert result.status_code == 200, result.text
+            assert result.json()["choices"][0]["text"] == expected[name], name
+    assert _complete(http, "a0").status_code == 404
+    assert "a0" not in _models(http) and {"a1", "a2"} <= set(_models(http))
+    response = http.post("/v1/unload_lora_adapter", json={"lora_name": "a0"})
+    assert response.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"r": 16}, "max_lora_rank"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
+    ],
+)
+def test_bad_adapters_are_refused_at_load(http, adapters, tmp_path, change, match):
+    folder = tmp_path / "bad"
+    shutil.copytree(adapters[1].path, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    body = {"lora_name": "bad", "lora_path": str(folder)}
+    response = http.post("/v1/load_lora_adapter", json=body)
+    assert response.status_code == 400
+    assert match in response.json()["error"]["message"]
+    assert "bad" not in _models(http)
+
+
+def test_a_name_in_use_is_refused(http, adapters):
+    body = {"lora_name": "twice", "lora_path": adapters[1].path}
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+    for name in (_base_name(http), "twice"):
+        response = http.post("/v1/load_lora_adapter", json={**body, "lora_name": name})
+        assert response.status_code == 400, name
+        assert "already been loaded" in response.json()["error"]["message"]
