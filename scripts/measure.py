@@ -44,8 +44,9 @@ LAYERS: list[list[str]] = [
     # Discovery, selection, lifecycle, introspection of plugins.
     ["plugins"],
     # Scheduling and the KV cache: token ids only; structured outputs' grammars and bitmasks,
-    # which the scheduler fills and the front end checks at admission.
-    ["scheduler", "structured_output"],
+    # which the scheduler fills and the front end checks at admission; the reasoning parsers,
+    # which split the chat route's answers and tell the engine core where an answer starts.
+    ["scheduler", "structured_output", "reasoning"],
     ["worker", "executor"],
     # The front end (input and output processing) and the engine core's loop and process.
     ["engine"],

@@ -361,7 +361,9 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[
         data = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as exc:
         raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from exc
-    allowed = [f.name for f in dataclasses.fields(StructuredOutputsConfig)]
+    allowed = [
+        f.name for f in dataclasses.fields(StructuredOutputsConfig) if f.name != "reasoning_parser"
+    ]
     if not isinstance(data, dict) or not set(data) <= set(allowed):
         raise ValueError(
             f"structured_outputs_config={value!r} is invalid; allowed: a JSON object with keys in "
@@ -374,7 +376,8 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[
 class StructuredOutputsConfig:
     """Structured outputs (JSON schema, regex, choice, grammar): the grammar engine and its bounds.
 
-    All fields are set by one flag, ``--structured-outputs-config '{"backend": "guidance"}'``."""
+    The grammar fields are set by one flag, ``--structured-outputs-config '{"backend":
+    "guidance"}'``; ``reasoning_parser`` by its own, ``--reasoning-parser`` (vLLM's flags)."""
 
     backend: str = field(
         default="auto",
@@ -391,6 +394,10 @@ class StructuredOutputsConfig:
     )
     """A request whose grammar has not compiled after this long finishes with finish reason
     "error" (compiles run in a thread pool, never on the engine loop)."""
+    reasoning_parser: str | None = field(default=None, metadata={"metavar": "NAME"})
+    """The model thinks before it answers, in this parser's format: qwen3 (<think>...</think>) or
+    a name a plugin registered. The chat route splits the thinking into reasoning_content, and a
+    structured output constrains only the answer after it, as in vLLM."""
 
     def __post_init__(self) -> None:
         _check(

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from kiln.plugins.registry import Registry
+
+T = TypeVar("T")
 
 
 def resolve_obj_by_qualname(qualname: str) -> Any:
@@ -34,3 +39,34 @@ def resolve_obj_by_qualname(qualname: str) -> Any:
 def qualname_of(obj: Any) -> str:
     """``"module.Qualname"`` of a class or function."""
     return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def resolve_registered_class(
+    registry: Registry[str], name: str, base: type[T], flag: str
+) -> type[T]:
+    """The class that ``registry`` names ``name`` (a dotted path), checked to subclass ``base``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones, under ``flag``), or
+            the entry is not a subclass of ``base``.
+    """
+    if name not in registry:
+        raise ValueError(
+            f"{flag} {name!r} is not registered; registered: {sorted(registry.names())}"
+        )
+    cls = resolve_obj_by_qualname(registry.get(name))
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(
+            f"{registry.kind} {name!r} ({registry.get(name)}) is not a subclass of "
+            f"{base.__module__}.{base.__qualname__}"
+        )
+    return cls
+
+
+def split_partial_tag(text: str, tag: str) -> tuple[str, str]:
+    """``text`` cut before its longest suffix that starts ``tag`` (which may still arrive):
+    ``(safe, held)``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return text[:-size], text[-size:]
+    return text, ""

@@ -35,13 +35,17 @@ def tokenizer(gguf_path):
     return load_tokenizer(gguf_path)
 
 
-def make_scheduler(tokenizer, backend="auto", max_compile_seconds=30.0, num_blocks=64):
+def make_scheduler(
+    tokenizer, backend="auto", max_compile_seconds=30.0, num_blocks=64, reasoning_parser=None
+):
     config = KilnConfig(
         model=ModelConfig(max_model_len=256),
         cache=CacheConfig(block_size=4),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
         structured_outputs=StructuredOutputsConfig(
-            backend=backend, max_compile_seconds=max_compile_seconds
+            backend=backend,
+            max_compile_seconds=max_compile_seconds,
+            reasoning_parser=reasoning_parser,
         ),
     )
     scheduler = Scheduler(config, num_blocks)
@@ -177,3 +181,44 @@ def test_preemption_keeps_the_matcher_and_the_output_valid(tokenizer):
     for i in range(2):
         assert finish[f"p{i}"].finish_reason == FinishReason.STOP
         assert re.fullmatch(pattern, tokenizer.decode(tokens[f"p{i}"][:-1]))
+
+
+def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(tokenizer):
+    scheduler = make_scheduler(tokenizer, reasoning_parser="qwen3")
+    pattern = r"(ab|cd)[0-9]{3}"
+    scheduler.add_request(make_request(tokenizer, "r", StructuredOutputsParams(regex=pattern)))
+    # The "model" thinks (tokens the grammar forbids), then samples the lowest allowed token.
+    thinking = tokenizer.encode("<think>Let me see.</think>", add_special_tokens=False)
+    every_token = np.full(scheduler.structured_output_manager.allocate_bitmask(1).shape[1], -1)
+    tokens: list[int] = []
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        if not so.num_scheduled_tokens:  # the grammar is still compiling
+            scheduler.update_from_output(so, ModelRunnerOutput([], {}, []))
+            continue
+        (row,) = so.grammar_bitmask
+        if len(tokens) < len(thinking):
+            assert (row == every_token).all()  # the grammar waits for the end of the thinking
+            token = thinking[len(tokens)]
+        else:
+            assert not (row == every_token).all()
+            token = lowest_allowed(row)
+        tokens.append(token)
+        output = ModelRunnerOutput(["r"], {"r": 0}, [[token]])
+        (out,) = scheduler.update_from_output(so, output).outputs
+    assert out.finish_reason == FinishReason.STOP and tokens[-1] == tokenizer.eos_token_id
+    text = tokenizer.decode(tokens[:-1])
+    assert text.startswith("<think>Let me see.</think>")
+    assert re.fullmatch(pattern, text.removeprefix("<think>Let me see.</think>")), text
+
+
+def test_a_prompt_that_closed_the_thinking_starts_the_grammar_at_once(tokenizer):
+    scheduler = make_scheduler(tokenizer, reasoning_parser="qwen3")
+    prompt = tokenizer.encode("Answer: <think>\n\n</think>\n\n", add_special_tokens=False)
+    scheduler.add_request(
+        make_request(tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]), prompt=prompt)
+    )
+    tokens, finish, _ = run(scheduler)
+    assert finish["c"].finish_reason == FinishReason.STOP
+    # Every token is the grammar's, the first one included.
+    assert tokenizer.decode(tokens["c"][:-1], skip_special_tokens=False) in ("yes", "no")

@@ -3,12 +3,17 @@
 Microseconds per call, the best of ``--repeat`` loops in thread CPU time (one thread), every column
 from the same run. Columns: dense bf16 and float32 ``F.linear`` (the baselines), kiln-x86's kernel
 (``quant.matmul`` as served by default: without int8 activations, C++ up to ``MAX_KERNEL_ROWS``
-rows, then dequantize + dense GEMM), the C++ float kernel alone, the int8 kernel alone and
-dequantize + bf16 GEMM alone at every row count, and torch's built-in int4 kernel
+rows, then dequantize + dense GEMM), the C++ float kernel alone, the row layout's int8 kernel
+alone, the tiled int8 kernel (``kiln_x86.gemv``) alone and dequantize + bf16 GEMM alone at every
+row count, and torch's built-in int4 kernel
 (``_weight_int4pack_mm_for_cpu``, group 32) with float32 activations and with bfloat16 ones (whose
 scales and zeros it wants in bfloat16, which GGUF's float16 scales do not survive).
 
     python plugins/kiln-x86/benchmarks/quant_bench.py --threads 1
+    python plugins/kiln-x86/benchmarks/quant_bench.py --model --threads 1,2 --rows 1,4,16
+
+``--model``: one pass over the default model's real weights per row count and thread count
+(see ``model_pass``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from kiln_x86 import quant
+from kiln_x86 import gemv, quant
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
@@ -62,6 +67,7 @@ COLUMNS = [
     "kiln-x86 (bf16 x)",
     "C++ kernel",
     "int8 kernel",
+    "int8 tiled",
     "dequant + GEMM",
     "torch int4 (fp32 x)",
     "torch int4 (bf16 x)",
@@ -71,7 +77,9 @@ COLUMNS = [
 def measure_row(w: np.ndarray, qtype: T, rows: int, repeat: int) -> list[float]:
     """One table row: microseconds per call of each column (NaN where it does not apply)."""
     n, k = w.shape
-    p = quant.pack(torch.from_numpy(gguf.quants.quantize(w, qtype)), qtype, n, k)
+    raw = torch.from_numpy(gguf.quants.quantize(w, qtype))
+    p = quant.pack(raw, qtype, n, k)
+    tiled = quant.pack(raw, qtype, n, k, tiled=True) if gemv.available() else None
     ext = quant.load_quant_kernels()
     wb, wf = torch.from_numpy(w).bfloat16(), torch.from_numpy(w)
     xb = torch.randn(rows, k).bfloat16()
@@ -83,6 +91,7 @@ def measure_row(w: np.ndarray, qtype: T, rows: int, repeat: int) -> list[float]:
         lambda: quant.matmul(xb, p),
         lambda: ext.qmatmul(xb, p.qweight, p.scales, p.mins, p.group, p.bits),
         lambda: ext.qmatmul_int8(xb, p.qweight, p.scales, p.mins, p.group, p.bits),
+        (lambda: gemv.matmul(xb, tiled)) if tiled is not None else None,
         lambda: torch.nn.functional.linear(xb, quant.dequantize(p, torch.bfloat16)),
     ]
     if not hasattr(ext, "qmatmul_int8"):  # built with AVX512-VNNI only
@@ -98,12 +107,14 @@ def measure_row(w: np.ndarray, qtype: T, rows: int, repeat: int) -> list[float]:
     return cols
 
 
-def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
+def model_pass(path: str, rows_list: list[int], repeat: int, threads_list: list[int]) -> None:
     """Every linear of the real GGUF once (a decode step's matmuls, the LM head included), in
     model order, so that the weights stream from memory as they do when decoding (a model's
-    worth of weights is larger than the caches), quantized against dense bf16."""
+    worth of weights is larger than the caches): dense bf16, the exact float kernel (row layout),
+    the row layout's int8 kernel, the tiled int8 kernel (``kiln_x86.gemv``) and dequantize +
+    GEMM, interleaved in each round. Thread CPU time at 1 thread, wall time at more."""
     reader = gguf.GGUFReader(path)
-    packed, dense = [], []
+    packed, tiled, dense = [], [], []
     for t in reader.tensors:
         qtype = T(t.tensor_type)
         if qtype not in quant.SUPPORTED_TYPES:
@@ -112,72 +123,84 @@ def model_pass(path: str, rows_list: list[int], repeat: int) -> None:
         raw = torch.from_numpy(np.asarray(t.data).copy())
         p = quant.pack(raw, qtype, n, k)
         packed.append(p)
+        if gemv.available():
+            tiled.append(quant.pack(raw, qtype, n, k, tiled=True))
         dense.append(quant.dequantize(p, torch.bfloat16))
-    q_bytes = sum(p.nbytes for p in packed)
+    mib = [sum(p.nbytes for p in ps) / 2**20 for ps in (packed, tiled)]
     d_bytes = sum(w.numel() * 2 for w in dense)
     print(
-        f"{len(packed)} weights: packed {q_bytes / 2**20:.0f} MiB, bf16 {d_bytes / 2**20:.0f} MiB"
+        f"{len(packed)} weights: row layout {mib[0]:.0f} MiB, tiled {mib[1]:.0f} MiB, "
+        f"bf16 {d_bytes / 2**20:.0f} MiB"
     )
     columns = [
         "bf16 dense",
-        "kiln-x86 `matmul`",
-        "int8 kernel only",
-        "float kernel only",
-        "dequantize + GEMM only",
+        "float kernel (exact)",
+        "int8 kernel, row layout",
+        "int8 kernel, tiled",
+        "dequantize + GEMM",
     ]
-    print("| rows | " + " | ".join(f"{c}, ms" for c in columns) + " |")
-    print("|---|" + "---|" * len(columns))
-    threshold = quant.MAX_KERNEL_ROWS
-    for rows in rows_list:
-        xs = {k: torch.randn(rows, k).bfloat16() for k in {p.in_features for p in packed}}
+    print("| threads | rows | " + " | ".join(f"{c}, ms" for c in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    threshold, tiled_threshold = quant.MAX_KERNEL_ROWS, quant.TILED_MAX_ROWS
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        for rows in rows_list:
+            xs = {k: torch.randn(rows, k).bfloat16() for k in {p.in_features for p in packed}}
 
-        def run_dense(xs=xs) -> None:
-            for w in dense:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            def run_dense(xs=xs) -> None:
+                for w in dense:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
 
-        def run_quant(max_kernel_rows: int, int8_max_rows: int, xs=xs) -> None:
-            quant.MAX_KERNEL_ROWS = max_kernel_rows
-            try:
-                for p in packed:
-                    quant.matmul(xs[p.in_features], p, int8_max_rows)
-            finally:
-                quant.MAX_KERNEL_ROWS = threshold
+            def run_quant(max_kernel_rows: int, int8_max_rows: int, xs=xs, weights=packed):
+                quant.MAX_KERNEL_ROWS = max_kernel_rows
+                quant.TILED_MAX_ROWS = max_kernel_rows  # the tiled weights' kernel alone
+                try:
+                    for p in weights:
+                        quant.matmul(xs[p.in_features], p, int8_max_rows)
+                finally:
+                    quant.MAX_KERNEL_ROWS, quant.TILED_MAX_ROWS = threshold, tiled_threshold
 
-        runs = [
-            run_dense,
-            lambda: run_quant(threshold, 0),
-            lambda rows=rows: run_quant(0, rows),  # Q6_K (none in the default model): dense
-            lambda rows=rows: run_quant(rows, 0),
-            lambda: run_quant(0, 0),
-        ]
-        best = [float("inf")] * len(runs)
-        for _ in range(repeat):  # interleaved, so that each column sees the same load
-            for i, fn in enumerate(runs):
-                start = time.thread_time()
-                fn()
-                best[i] = min(best[i], time.thread_time() - start)
-        print(f"| {rows} | " + " | ".join(f"{t * 1e3:.1f}" for t in best) + " |", flush=True)
+            runs = [
+                run_dense,
+                lambda rows=rows: run_quant(rows, 0),
+                lambda rows=rows: run_quant(0, rows),  # Q6_K (none in the default model): dense
+                (lambda rows=rows: run_quant(rows, 0, weights=tiled)) if tiled else None,
+                lambda: run_quant(0, 0),
+            ]
+            best = [float("inf")] * len(runs)
+            for _ in range(repeat):  # interleaved, so that each column sees the same load
+                for i, fn in enumerate(runs):
+                    if fn is None:
+                        continue
+                    start = clock()
+                    fn()
+                    best[i] = min(best[i], clock() - start)
+            cells = " | ".join("-" if t == float("inf") else f"{t * 1e3:.1f}" for t in best)
+            print(f"| {threads} | {rows} | {cells} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", default="1", help="with --model: a list, e.g. 1,2")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--rows", default="1,8,16,128")
     parser.add_argument(
         "--model", action="store_true", help="one pass over the default model's real weights"
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
+    torch.set_num_threads(threads[0])
     if args.model:
         from kiln.model_executor.loader.default_model import default_model_path
 
-        print(f"threads={args.threads} load={os.getloadavg()[0]:.1f}")
-        model_pass(default_model_path(), [int(r) for r in args.rows.split(",")], args.repeat)
+        print(f"load={os.getloadavg()[0]:.1f}")
+        rows = [int(r) for r in args.rows.split(",")]
+        model_pass(default_model_path(), rows, args.repeat, threads)
         print(f"load={os.getloadavg()[0]:.1f}")
         return
     rng = np.random.default_rng(0)
-    print(f"threads={args.threads} load={os.getloadavg()[0]:.1f}")
+    print(f"threads={threads[0]} load={os.getloadavg()[0]:.1f}")
     print("| in -> out | format | rows | " + " | ".join(COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))
     for k, n in SHAPES:

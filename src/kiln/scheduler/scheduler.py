@@ -399,7 +399,9 @@ class Scheduler(SchedulerInterface):
             error = None
             if grammar.done():
                 try:
-                    request.matcher = self.structured_output_manager.make_matcher(grammar)
+                    request.matcher = self.structured_output_manager.make_matcher(
+                        grammar, request.prompt_token_ids
+                    )
                 except Exception as exc:  # a compile error of any kind ends this request only
                     error = f"structured_outputs: {exc}"
             elif now - request.grammar_wait_start > max_seconds:

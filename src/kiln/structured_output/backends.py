@@ -118,13 +118,16 @@ class XGrammarBackend:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
+        import xgrammar
+
         compiler = self._compiler
         kind = params.kind
         try:
             if kind in ("json", "json_object"):
-                compiled = compiler.compile_json_schema(
+                grammar = xgrammar.Grammar.from_json_schema(
                     json.dumps(_schema(params)), any_whitespace=not params.disable_any_whitespace
                 )
+                compiled = compiler.compile_grammar(_without_raw_control_characters(grammar))
             elif kind == "regex":
                 compiled = compiler.compile_regex(params.regex)
             elif kind == "choice":
@@ -155,6 +158,26 @@ class XGrammarBackend:
                 xgrammar.Grammar.from_ebnf(params.grammar)
         except RuntimeError as exc:
             raise ValueError(f"{_field(params)} is invalid: {_xgrammar_message(exc)}") from None
+
+
+# xgrammar 0.2.9 writes a string with minLength / maxLength as characters of this class, which
+# lets raw control characters (U+0000-U+001F) through: JSON forbids them, so the output would not
+# parse (the property test found "\x08"). Its unbounded strings exclude them; so does this fix.
+_BOUNDED_STRING_CHARACTER = r"[^\"\\\r\n]"
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
+
+
+def _without_raw_control_characters(grammar: Any) -> Any:
+    """``grammar`` (an ``xgrammar.Grammar`` of a JSON schema) with bounded strings that hold only
+    characters JSON allows unescaped."""
+    import xgrammar
+
+    text = str(grammar)
+    if _BOUNDED_STRING_CHARACTER not in text:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(
+        text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+    )
 
 
 def _xgrammar_message(exc: Exception) -> str:

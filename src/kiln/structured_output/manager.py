@@ -6,8 +6,11 @@ Contract (vLLM v1's ``StructuredOutputManager``):
   compiles are cached by ``(backend, kind, spec)``, so a second request with the same schema
   shares the first one's (even while it still compiles). The scheduler keeps such a request in
   ``WAITING_FOR_GRAMMAR`` and schedules the others meanwhile.
-- ``make_matcher(future)`` makes the request's own matcher once the compile is done (each child
-  of an ``n > 1`` request gets its own).
+- ``make_matcher(future, prompt_token_ids)`` makes the request's own matcher once the compile is
+  done (each child of an ``n > 1`` request gets its own). With a reasoning parser
+  (``structured_outputs.reasoning_parser``) the matcher lets every token through and does not
+  advance until the parser sees the thinking end, in the prompt or the output (vLLM's rule: the
+  token that ends it is not fed to the grammar; the next one is its first).
 - ``fill_bitmask(matchers)`` fills one row per matcher, for the requests that sample this step;
   the rows travel to the runner in ``SchedulerOutput.grammar_bitmask``.
 
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from kiln.config import KilnConfig
+from kiln.reasoning import ReasoningParser, resolve_reasoning_parser
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured_output.backends import BACKEND_CLASSES, Grammar, Matcher, choose_backend
 
@@ -54,9 +58,12 @@ class StructuredOutputManager:
     """Grammar compiles (threads, cache) and bitmasks for one engine core.
 
     Args:
-        config: reads ``structured_outputs.backend`` and ``model.*`` (to load the tokenizer).
+        config: reads ``structured_outputs.*`` and ``model.*`` (to load the tokenizer).
         vocab_size: the logits' width; bitmask rows cover ``ceil(vocab_size / 32)`` words.
         load_tokenizer: ``config -> Tokenizer``; the default loads the model's.
+
+    Raises:
+        ValueError: ``structured_outputs.reasoning_parser`` names no registered parser.
     """
 
     def __init__(
@@ -75,6 +82,8 @@ class StructuredOutputManager:
         self._lock = threading.RLock()  # the backends are built in pool threads
         self._cache: OrderedDict[tuple[str, tuple], Future[Grammar]] = OrderedDict()
         self._executor: ThreadPoolExecutor | None = None
+        name = config.structured_outputs.reasoning_parser
+        self._reasoning_parser = resolve_reasoning_parser(name) if name is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -109,9 +118,20 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
         return future
 
-    def make_matcher(self, future: Future[Grammar]) -> Matcher:
-        """A fresh matcher of a finished compile (raises what the compile raised)."""
-        return future.result(timeout=0).make_matcher()
+    def make_matcher(
+        self, future: Future[Grammar], prompt_token_ids: Sequence[int] = ()
+    ) -> Matcher:
+        """A fresh matcher of a finished compile (raises what the compile raised); with a
+        reasoning parser, one that waits for the end of the thinking (see the module doc)."""
+        matcher = future.result(timeout=0).make_matcher()
+        if self._reasoning_parser is None:
+            return matcher
+        parser = self._reasoning_parser()
+        tokenizer = self._get_tokenizer()
+        prompt = tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        if parser.is_reasoning_end(prompt):
+            return matcher
+        return AfterReasoningMatcher(matcher, parser, prompt, tokenizer.decode)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """[num_rows, ceil(V / 32)] int32, every token allowed."""
@@ -144,6 +164,50 @@ class StructuredOutputManager:
                 )
                 self._backends[backend_name] = backend
         return backend.compile(params)
+
+
+class AfterReasoningMatcher:
+    """A matcher that starts once the thinking has ended: until then every token is allowed and
+    the grammar does not advance.
+
+    Args:
+        matcher: the grammar's matcher, advanced from the first token after the thinking.
+        parser: says where the thinking ends (``ReasoningParser.is_reasoning_end``).
+        text: the prompt's text; the output's is appended token by token.
+        decode: ``(token_ids, skip_special_tokens) -> text``, the tokenizer's.
+    """
+
+    def __init__(
+        self,
+        matcher: Matcher,
+        parser: ReasoningParser,
+        text: str,
+        decode: Callable[..., str],
+    ) -> None:
+        self._matcher = matcher
+        self._parser = parser
+        self._text = text
+        self._decode = decode
+        self.is_reasoning_ended = False
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.is_reasoning_ended:
+            return self._matcher.accept_token(token_id)
+        # NOTE: one token at a time; an ASCII tag survives a multi-byte character cut in two.
+        self._text += self._decode([token_id], skip_special_tokens=False)
+        self.is_reasoning_ended = self._parser.is_reasoning_end(self._text)
+        if self.is_reasoning_ended:
+            self._text = ""  # not read again
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.is_reasoning_ended:
+            self._matcher.fill_bitmask(bitmask, row)
+        else:
+            bitmask[row] = -1
+
+    def is_terminated(self) -> bool:
+        return self.is_reasoning_ended and self._matcher.is_terminated()
 
 
 def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> None:

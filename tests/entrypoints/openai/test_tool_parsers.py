@@ -7,11 +7,6 @@ import json
 
 import pytest
 
-from kiln.entrypoints.openai.reasoning import (
-    REASONING_PARSER_REGISTRY,
-    ReasoningParser,
-    resolve_reasoning_parser,
-)
 from kiln.entrypoints.openai.tool_parsers import (
     TOOL_PARSER_REGISTRY,
     DeltaMessage,
@@ -21,6 +16,11 @@ from kiln.entrypoints.openai.tool_parsers import (
 )
 from kiln.entrypoints.openai.tool_parsers.llama3_json import RequiredCallsParser
 from kiln.plugins.registry import registering_as
+from kiln.reasoning import (
+    REASONING_PARSER_REGISTRY,
+    ReasoningParser,
+    resolve_reasoning_parser,
+)
 
 HERMES_TWO_CALLS = (
     "Let me look that up.\n"
@@ -218,9 +218,7 @@ def test_plugins_register_parsers_by_name(monkeypatch: pytest.MonkeyPatch) -> No
     name = "test_plugin_echo"
     with registering_as("test-plugin"):
         TOOL_PARSER_REGISTRY.register(name, f"{__name__}._PluginToolParser")
-        REASONING_PARSER_REGISTRY.register(
-            name, "kiln.entrypoints.openai.reasoning.Qwen3ReasoningParser"
-        )
+        REASONING_PARSER_REGISTRY.register(name, "kiln.reasoning.Qwen3ReasoningParser")
     assert resolve_tool_parser(name) is _PluginToolParser
     assert issubclass(resolve_reasoning_parser(name), ReasoningParser)
     assert TOOL_PARSER_REGISTRY.source_of(name) == "test-plugin"

@@ -20,6 +20,10 @@ each activation row to int8 per block of 32 (a float32 scale per block, as llama
 activations) and multiplies it with the weight's integers in int32 dot products, then applies the
 scales and mins per block in float32: not exact against the dequantized weights (at most half an
 int8 step of each activation block per weight).
+``pack(..., tiled=True)`` (the linear method with ``int8_activations``, where
+``kiln_x86.gemv.available()``) keeps the weight only in ``kiln_x86.gemv``'s tiled layout instead:
+``matmul`` then runs its int8 kernel up to ``TILED_MAX_ROWS`` rows (16 output channels per
+``vpdpbusd``, same activation rounding), ``embedding`` and ``dequantize`` read the same tiles.
 Otherwise up to ``MAX_KERNEL_ROWS`` rows run the C++ kernel, which reads each weight once and
 dequantizes it in registers (decode is bound by reading the weights); more rows dequantize the
 weight and run torch's dense GEMM in x's dtype (prefill is bound by the GEMM, and oneDNN's bf16
@@ -40,7 +44,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
-from kiln_x86 import kernels
+from kiln_x86 import gemv, kernels
+from kiln_x86.gemv import TiledWeight
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,9 @@ MAX_KERNEL_ROWS = 8
 # short prefill took that path where the uncached prompt's did not, and the default model's
 # greedy answer to the same chat prompt changed (from "Paris").
 INT8_ROWS = 16
+# Rows up to which a ``TiledWeight`` (``kiln_x86.gemv``) runs the int8 kernel; above, dequantize +
+# dense GEMM (measured: README).
+TILED_MAX_ROWS = 16
 # Output channels dequantized at a time for the dense GEMM: a few MiB, so that a large weight
 # (the 49152-row LM head) is never expanded whole.
 DENSE_TILE_ROWS = 4096
@@ -180,9 +188,14 @@ def _decode(blocks: np.ndarray, qtype: GGMLQuantizationType):
 
 
 def pack(
-    raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int, in_features: int
-) -> PackedWeight:
-    """Repacks one GGUF weight's block bytes for ``matmul``/``embedding`` (see the module doc).
+    raw: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    out_features: int,
+    in_features: int,
+    tiled: bool = False,
+) -> PackedWeight | TiledWeight:
+    """Repacks one GGUF weight's block bytes for ``matmul``/``embedding`` (see the module doc);
+    ``tiled``: into ``kiln_x86.gemv``'s layout for the int8-activation kernel instead.
 
     Raises:
         ValueError: an unsupported ``qtype``, or ``raw`` not of the shape and dtype that
@@ -206,6 +219,13 @@ def pack(
         )
     blocks = raw.contiguous().numpy().reshape(-1, block_bytes)
     q, scales, mins = _decode(blocks, qtype)
+    if tiled:
+        offset = gemv.FORMATS[qtype].offset
+        if qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K):  # signed q
+            q = q.astype(np.int16) + offset
+        u = q.reshape(out_features, in_features)
+        mins = None if mins is None else mins.reshape(out_features, -1)
+        return gemv.pack(u, scales.reshape(out_features, -1), mins, qtype)
     group = 16 if qtype == GGMLQuantizationType.Q6_K else 32
     bits = (
         4
@@ -259,16 +279,22 @@ def _dequantize_rows(
     return w.reshape(rows, packed.in_features).to(dtype)
 
 
-def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    packed: PackedWeight | TiledWeight, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The weight ``[out_features, in_features]`` in ``dtype`` (float32: gguf's values exactly)."""
+    if isinstance(packed, TiledWeight):
+        return gemv.rows(packed, torch.arange(packed.out_features), dtype)
     return _dequantize_rows(packed, packed.qweight, packed.scales, packed.mins, dtype)
 
 
 def embedding(
-    ids: torch.Tensor, packed: PackedWeight, dtype: torch.dtype = torch.float32
+    ids: torch.Tensor, packed: PackedWeight | TiledWeight, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Rows ``ids`` of the weight (a quantized embedding table): ``[*ids.shape, in_features]``."""
     flat = ids.reshape(-1)
+    if isinstance(packed, TiledWeight):
+        return gemv.rows(packed, flat, dtype).reshape(*ids.shape, packed.in_features)
     mins = None if packed.mins is None else packed.mins.index_select(0, flat)
     qweight, scales = packed.qweight.index_select(0, flat), packed.scales.index_select(0, flat)
     rows = _dequantize_rows(packed, qweight, scales, mins, dtype)
@@ -287,9 +313,12 @@ def int8_kernel_applies(
     )
 
 
-def matmul(x: torch.Tensor, packed: PackedWeight, int8_max_rows: int = 0) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, packed: PackedWeight | TiledWeight, int8_max_rows: int = 0
+) -> torch.Tensor:
     """``x @ W.T`` for the packed weight W: ``[..., in_features] -> [..., out_features]``; up to
-    ``int8_max_rows`` rows with the activations rounded to int8 where the kernel is built.
+    ``int8_max_rows`` rows with the activations rounded to int8 where the kernel is built (a
+    ``TiledWeight``: up to ``TILED_MAX_ROWS`` rows, whatever ``int8_max_rows``).
 
     Raises:
         ValueError: x's last dim is not ``in_features``, or x is neither float32 nor bfloat16.
@@ -301,6 +330,9 @@ def matmul(x: torch.Tensor, packed: PackedWeight, int8_max_rows: int = 0) -> tor
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x.dtype={x.dtype} is not supported; allowed: float32, bfloat16")
     x2 = x.reshape(-1, packed.in_features)
+    if isinstance(packed, TiledWeight):
+        out = _tiled_matmul(x2, packed)
+        return out.reshape(*x.shape[:-1], packed.out_features)
     ext = load_quant_kernels()
     if int8_kernel_applies(ext, packed, x2.shape[0], int8_max_rows):
         out = ext.qmatmul_int8(
@@ -318,3 +350,16 @@ def matmul(x: torch.Tensor, packed: PackedWeight, int8_max_rows: int = 0) -> tor
             w = _dequantize_rows(packed, packed.qweight[rows], packed.scales[rows], mins, x.dtype)
             out[:, rows] = torch.nn.functional.linear(x2, w)
     return out.reshape(*x.shape[:-1], packed.out_features)
+
+
+def _tiled_matmul(x2: torch.Tensor, packed: TiledWeight) -> torch.Tensor:
+    """``x2 [rows, in] @ W.T``: the int8 kernel up to ``TILED_MAX_ROWS`` rows, else the weight
+    dequantized ``DENSE_TILE_ROWS`` output channels at a time and torch's dense GEMM."""
+    if x2.shape[0] <= TILED_MAX_ROWS:
+        return gemv.matmul(x2, packed)
+    out = x2.new_empty(x2.shape[0], packed.out_features)
+    for start in range(0, packed.out_features, DENSE_TILE_ROWS):
+        stop = min(start + DENSE_TILE_ROWS, packed.out_features)
+        w = gemv.rows(packed, torch.arange(start, stop), x2.dtype)
+        out[:, start:stop] = torch.nn.functional.linear(x2, w)
+    return out

@@ -20,7 +20,6 @@ from typing import Any
 
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
-from kiln.entrypoints.openai.reasoning import ReasoningParser, resolve_reasoning_parser
 from kiln.entrypoints.openai.tool_parsers import (
     DeltaMessage,
     DeltaToolCall,
@@ -31,6 +30,7 @@ from kiln.entrypoints.openai.tool_parsers import (
 )
 from kiln.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, make_tool_call_id
 from kiln.entrypoints.openai.tool_parsers.llama3_json import RequiredCallsParser
+from kiln.reasoning import ReasoningParser, resolve_reasoning_parser
 from kiln.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutputsParams
 
 MAX_TOOLS = 128

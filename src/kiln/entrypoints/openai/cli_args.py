@@ -77,13 +77,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "llama3_json, or a name a plugin registered",
     )
     g.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="NAME",
-        help="split the model's thinking into reasoning_content: qwen3 (<think>...</think>), or "
-        "a name a plugin registered",
-    )
-    g.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,

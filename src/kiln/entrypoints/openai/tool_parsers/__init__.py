@@ -16,9 +16,9 @@ from kiln.entrypoints.openai.tool_parsers.base import (
     ToolCall,
     ToolParser,
     ToolParserOptions,
-    resolve_parser,
 )
 from kiln.plugins.registry import Registry
+from kiln.utils import resolve_registered_class
 
 TOOL_PARSER_REGISTRY: Registry[str] = Registry("tool parser")
 
@@ -33,7 +33,7 @@ for _name, _path in _BUILTIN_TOOL_PARSERS.items():
 def resolve_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as ``name`` (``ValueError``: unknown, or not a
     ``ToolParser``)."""
-    return resolve_parser(TOOL_PARSER_REGISTRY, name, ToolParser, "--tool-call-parser")
+    return resolve_registered_class(TOOL_PARSER_REGISTRY, name, ToolParser, "--tool-call-parser")
 
 
 __all__ = [

@@ -21,13 +21,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from kiln.entrypoints.openai.tool_parsers.json_scan import ObjectScanner
-from kiln.plugins.registry import Registry
-from kiln.utils import resolve_obj_by_qualname
-
-T = TypeVar("T")
 
 DEFAULT_MAX_CALL_CHARS = 2**17
 """The most characters one call's JSON may hold before it counts as malformed."""
@@ -160,15 +156,6 @@ def _is_json_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
-
-
-def split_partial_tag(text: str, tag: str) -> tuple[str, str]:
-    """``text`` cut before its longest suffix that starts ``tag`` (which may still arrive):
-    ``(safe, held)``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return text[:-size], text[-size:]
-    return text, ""
 
 
 class _Call:
@@ -372,26 +359,6 @@ class CallStreamParser(ToolParser):
         return message
 
 
-def resolve_parser(registry: Registry[str], name: str, base: type[T], flag: str) -> type[T]:
-    """The class ``registry`` names ``name``, checked to subclass ``base``.
-
-    Raises:
-        ValueError: unknown name (the message lists the registered ones, under ``flag``), or
-            the entry is not a subclass of ``base``.
-    """
-    if name not in registry:
-        raise ValueError(
-            f"{flag} {name!r} is not registered; registered: {sorted(registry.names())}"
-        )
-    cls = resolve_obj_by_qualname(registry.get(name))
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ValueError(
-            f"{registry.kind} {name!r} ({registry.get(name)}) is not a subclass of "
-            f"{base.__module__}.{base.__qualname__}"
-        )
-    return cls
-
-
 __all__ = [
     "ARGUMENT_KEYS",
     "CallStreamParser",
@@ -402,6 +369,4 @@ __all__ = [
     "ToolParser",
     "ToolParserOptions",
     "make_tool_call_id",
-    "resolve_parser",
-    "split_partial_tag",
 ]

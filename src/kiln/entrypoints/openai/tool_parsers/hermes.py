@@ -10,7 +10,8 @@ Text outside the tags is content; each tagged JSON object is one call.
 
 from __future__ import annotations
 
-from kiln.entrypoints.openai.tool_parsers.base import CallStreamParser, split_partial_tag
+from kiln.entrypoints.openai.tool_parsers.base import CallStreamParser
+from kiln.utils import split_partial_tag
 
 
 class HermesToolParser(CallStreamParser):

@@ -4,17 +4,23 @@
 ``ReasoningParser`` subclass. Kiln registers ``qwen3`` (``<think>...</think>``); a general plugin
 adds its own with ``REASONING_PARSER_REGISTRY.register("name", "pkg.mod.MyParser")``.
 
-Contract: a parser object serves one choice and keeps state. ``extract_reasoning_streaming`` is
-fed the text deltas in order and returns ``(reasoning, content)`` to stream now (a tag that may be
-arriving is held back); ``finish`` returns what was held. ``extract_reasoning`` splits a whole
-text (on a fresh copy) and is computed by streaming, so both forms agree; an empty part is None.
-It knows nothing about HTTP, tools or the engine.
+Two users, as in vLLM (``vllm.reasoning``):
+
+- the chat route splits each choice: a parser object serves one choice and keeps state.
+  ``extract_reasoning_streaming`` is fed the text deltas in order and returns
+  ``(reasoning, content)`` to stream now (a tag that may be arriving is held back); ``finish``
+  returns what was held. ``extract_reasoning`` splits a whole text (on a fresh copy) and is
+  computed by streaming, so both forms agree; an empty part is None.
+- the engine core starts a request's structured-output grammar only once
+  ``is_reasoning_end(text)`` says the thinking is over (``kiln.structured_output``).
+
+It knows nothing about HTTP, tools, tokens or the engine.
 """
 
 from __future__ import annotations
 
-from kiln.entrypoints.openai.tool_parsers.base import resolve_parser, split_partial_tag
 from kiln.plugins.registry import Registry
+from kiln.utils import resolve_registered_class, split_partial_tag
 
 REASONING_PARSER_REGISTRY: Registry[str] = Registry("reasoning parser")
 
@@ -30,6 +36,11 @@ class ReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         """``(reasoning, content)`` held back, at the end of the text."""
+        raise NotImplementedError
+
+    def is_reasoning_end(self, text: str) -> bool:
+        """Whether the thinking is over at the end of ``text`` (a prompt and the output so far):
+        from then on the answer follows, and a structured output constrains it."""
         raise NotImplementedError
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
@@ -78,20 +89,25 @@ class ThinkTagReasoningParser(ReasoningParser):
         held, self.pending = self.pending, ""
         return (held, "") if self.state == "thinking" else ("", held)
 
+    def is_reasoning_end(self, text: str) -> bool:
+        # The last tag decides (vLLM's rule): "...</think>" ended, "<think>..." is still open,
+        # and a text with neither has not started its answer.
+        return text.rfind(self.end_tag) > text.rfind(self.start_tag)
+
 
 class Qwen3ReasoningParser(ThinkTagReasoningParser):
     """``--reasoning-parser qwen3``: ``<think>...</think>``."""
 
 
-REASONING_PARSER_REGISTRY.register(
-    "qwen3", "kiln.entrypoints.openai.reasoning.Qwen3ReasoningParser"
-)
+REASONING_PARSER_REGISTRY.register("qwen3", "kiln.reasoning.Qwen3ReasoningParser")
 
 
 def resolve_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered as ``name`` (``ValueError``: unknown, or not a
     ``ReasoningParser``)."""
-    return resolve_parser(REASONING_PARSER_REGISTRY, name, ReasoningParser, "--reasoning-parser")
+    return resolve_registered_class(
+        REASONING_PARSER_REGISTRY, name, ReasoningParser, "--reasoning-parser"
+    )
 
 
 __all__ = [

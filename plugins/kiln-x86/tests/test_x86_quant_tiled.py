@@ -1,0 +1,186 @@
+"""kiln-x86's tiled int8-activation kernel (``kiln_x86.gemv``) against gguf's dequantization.
+
+References are independent of the code under test: ``gguf.quants.dequantize`` (numpy) for the
+weights and a float64 matmul. The kernel rounds each activation row to int8 per block of 32
+(``x ~= dx * qx``, ``dx = max|x| / 127``, ``qx = rint(x * (127 / max|x|))``; ``int8_rows``
+rounds it so in numpy) and then sums exact integer products per block, so per output element:
+
+- against the product of the rounded activations, ``xq @ W.T`` in float64, only float32
+  rounding is left: a few roundings per block term (``float(isum) * (scale * dx)``, ``min * (dx
+  * sum(qx))``) and one per accumulation, within ``2 K u B`` with ``B = |xq| @ (|W| + |min|).T``
+  (u = 2**-24; a lost, doubled or misplaced block of 32 is an error of order ``B / K * 32``);
+- against the exact ``x @ W.T``: plus the rounding's worst case, each activation moved by at most
+  half its block's step (``max|x| / 254``, x 1.001 for the float32 step): ``step @ |W|.T``;
+- bfloat16 results: plus half an ulp of the result, ``2**-9 |y|`` (2**-8 for slack).
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from kiln_x86 import gemv, quant
+from kiln_x86.linear_methods import X86GGUFInt8ActivationsLinearMethod
+from test_x86_quant import ALL_TYPES, U, int8_rows, random_raw, reference
+
+from kiln.model_executor.layers.quantization import GGUFQuantConfig, model_weight_bytes
+from kiln.model_executor.model_loader import load_model
+
+pytestmark = pytest.mark.skipif(
+    not gemv.available(), reason="the tiled int8 kernel needs a compiler and AVX512-VNNI"
+)
+
+
+def mins_of(qtype: T, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """|min| per weight (float64 ``[out, in]``), from gguf's own dequantization: the value of a
+    zero quant (the formats with mins are unsigned with offset 0: w(q=0) = min)."""
+    if qtype not in (T.Q4_1, T.Q4_K, T.Q5_K):
+        return torch.zeros(shape, dtype=torch.float64)
+    zero = quant.pack(torch.from_numpy(raw), qtype, *shape)  # the row layout, exact
+    return zero.mins.double().abs().repeat_interleave(32, dim=1)
+
+
+def assert_within_int8_bound(y, x, w_ref, w_min) -> None:
+    xd, wd = x.double(), w_ref.double()
+    k = x.shape[-1]
+    xq = int8_rows(x)
+    big = xq.abs() @ (wd.abs() + w_min).T
+    step = xd.abs().reshape(x.shape[0], -1, 32).amax(dim=2).repeat_interleave(32, dim=1) / 254
+    rounding = 1.001 * (step @ wd.abs().T)
+    out = y.double()
+    slack = 2.0**-8 * out.abs() if y.dtype == torch.bfloat16 else 0.0
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w_ref.shape[0])
+    err_q = ((out - xq @ wd.T).abs() / (2 * k * U * big + slack + 1e-30)).max().item()
+    assert err_q <= 1.0, f"error {err_q:.3g}x the tolerance against the rounded activations"
+    err = ((out - xd @ wd.T).abs() / (rounding + 2 * k * U * big + slack + 1e-30)).max().item()
+    assert err <= 1.0, f"error {err:.3g}x the int8 rounding bound"
+
+
+def tiled_case(qtype: T, out_features: int, in_features: int, seed: int):
+    raw = random_raw(qtype, out_features, in_features, seed=seed)
+    shape = (out_features, in_features)
+    tiled = quant.pack(torch.from_numpy(raw), qtype, *shape, tiled=True)
+    assert isinstance(tiled, gemv.TiledWeight)
+    return tiled, reference(raw, qtype, shape), mins_of(qtype, raw, shape)
+
+
+def in_sizes(qtype: T) -> tuple[int, ...]:
+    return (32, 96) if qtype in (T.Q4_0, T.Q4_1, T.Q8_0) else (256, 768)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_tiled_rows_are_gguf_exactly(qtype: T) -> None:
+    for out_features in (37, 16):  # a partial tile, one whole tile
+        for in_features in in_sizes(qtype):
+            tiled, w_ref, _ = tiled_case(qtype, out_features, in_features, seed=out_features)
+            assert torch.equal(quant.dequantize(tiled), w_ref)
+            assert torch.equal(quant.dequantize(tiled, torch.bfloat16), w_ref.bfloat16())
+            ids = torch.tensor([[out_features - 1, 0], [15, 15]])
+            assert torch.equal(quant.embedding(ids, tiled), w_ref[ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_tiled_matmul_within_the_int8_bound(qtype: T, dtype: torch.dtype) -> None:
+    """1..16 rows (every row tile: 8 or 4 per pass and what is left), N not a multiple of 16,
+    the smallest K, an all-zero activation block and row."""
+    gen = torch.Generator().manual_seed(7)
+    for out_features, in_features in ((45, in_sizes(qtype)[0]), (21, in_sizes(qtype)[1])):
+        tiled, w_ref, w_min = tiled_case(qtype, out_features, in_features, seed=3)
+        for rows in (1, 3, 4, 5, 8, 9, 16):
+            x = (torch.randn(rows, in_features, generator=gen) * 3).to(dtype)
+            x[-1, :32] = 0.0
+            assert_within_int8_bound(quant.matmul(x, tiled), x, w_ref, w_min)
+        x = torch.zeros(2, in_features, dtype=dtype)
+        assert torch.equal(quant.matmul(x, tiled), torch.zeros(2, out_features, dtype=dtype))
+
+
+def test_tiled_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    """Row i of a 16-row call equals the same row alone, bit for bit, on 1 and 2 threads: a
+    prefix-cache hit's short prefill and a decode see the same per-row arithmetic."""
+    tiled, _, _ = tiled_case(T.Q4_1, 70, 576, seed=9)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batched = quant.matmul(x, tiled)
+        torch.set_num_threads(2)
+        assert torch.equal(quant.matmul(x, tiled), batched)
+    finally:
+        torch.set_num_threads(threads)
+    for i in (0, 7, 8, 15):
+        assert torch.equal(quant.matmul(x[i : i + 1], tiled)[0], batched[i])
+
+
+def test_tiled_size_against_the_gguf_bytes() -> None:
+    # float16 scales: the legacy formats' own bytes; float32 for the K-quants (see kiln_x86.gemv).
+    limits = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q8_0: 1.0, T.Q4_K: 4 / 3, T.Q5_K: 1.28, T.Q6_K: 1.22}
+    for qtype, limit in limits.items():
+        raw = random_raw(qtype, 64, 512)
+        tiled = quant.pack(torch.from_numpy(raw), qtype, 64, 512, tiled=True)
+        assert tiled.nbytes <= limit * raw.nbytes, (qtype.name, tiled.nbytes / raw.nbytes)
+
+
+# The default model's linear shapes (Q4_1) and its tied embedding / LM head (Q8_0).
+REAL = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.29.ffn_down.weight", "token_embd.weight"]
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors(gguf_path: str) -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(gguf_path).tensors if t.name in REAL}
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_gguf_tensors(name: str, gguf_tensors) -> None:
+    tensor = gguf_tensors[name]
+    in_features, out_features = (int(d) for d in tensor.shape)
+    qtype = T(tensor.tensor_type)
+    raw = np.asarray(tensor.data).copy()
+    shape = (out_features, in_features)
+    tiled = quant.pack(torch.from_numpy(raw), qtype, *shape, tiled=True)
+    w_ref = reference(raw, qtype, shape)
+    assert torch.equal(quant.dequantize(tiled), w_ref)
+    w_min = mins_of(qtype, raw, shape)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 16):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        assert_within_int8_bound(quant.matmul(x, tiled), x, w_ref, w_min)
+
+
+@pytest.fixture(scope="module")
+def int8_model(gguf_path):
+    config = GGUFQuantConfig(X86GGUFInt8ActivationsLinearMethod)
+    model, _ = load_model(gguf_path, torch.bfloat16, quant_config=config)
+    return model
+
+
+def test_linear_method_routes_through_the_tiled_kernel(int8_model, gguf_path, monkeypatch) -> None:
+    """With ``int8_activations``, every GGUF weight of the default model is kept only tiled
+    (within 1.3x of the file), and its linears, embedding and tied LM head run the kernel."""
+    assert model_weight_bytes(int8_model) <= 1.3 * os.path.getsize(gguf_path)
+    parts = [
+        part
+        for module in int8_model.modules()
+        if getattr(module, "quant_method", None) and not getattr(module, "_tied_to", ())
+        for _, part in module.gguf_parts
+    ]
+    assert len(parts) == 30 * 4 + 1 and all(isinstance(p, gemv.TiledWeight) for p in parts)
+    calls = []
+    kernel = gemv.matmul
+    monkeypatch.setattr(gemv, "matmul", lambda x, tiled: calls.append(tiled) or kernel(x, tiled))
+    gen = torch.Generator().manual_seed(2)
+    layer = int8_model.get_submodule("model.layers.3.mlp.down_proj")
+    x = torch.randn(4, 1536, generator=gen).bfloat16()
+    ((_, packed),) = layer.gguf_parts
+    assert torch.equal(layer(x), kernel(x, packed)) and calls == [packed]
+    ((_, table),) = int8_model.model.embed_tokens.gguf_parts
+    hidden = torch.randn(2, 576, generator=gen).bfloat16()
+    assert torch.equal(int8_model.compute_logits(hidden), kernel(hidden, table))
+    assert calls[-1] is table
+    ids = torch.tensor([0, 49151, 1234])
+    want = quant.dequantize(table)[ids].bfloat16()
+    assert torch.equal(int8_model.model.embed_tokens(ids), want)
