@@ -70,7 +70,7 @@ MAX_KERNEL_ROWS = 8
 INT8_ROWS = 16
 # Rows up to which a ``TiledWeight`` (``kiln_x86.gemv``) runs the int8 kernel; above, dequantize +
 # dense GEMM (measured: README).
-TILED_MAX_ROWS = 16
+TILED_MAX_ROWS = 64
 # Output channels dequantized at a time for the dense GEMM: a few MiB, so that a large weight
 # (the 49152-row LM head) is never expanded whole.
 DENSE_TILE_ROWS = 4096

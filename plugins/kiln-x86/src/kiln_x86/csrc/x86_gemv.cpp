@@ -131,22 +131,6 @@ void dequantize_kernel(const Layout& w, const int64_t* ids, int64_t count, T* ou
   });
 }
 
-at::Tensor dequantize(const at::Tensor& data, const at::Tensor& ids, int64_t N, int64_t K,
-                      int64_t bits, int64_t group, bool mins, bool f16, int64_t offset,
-                      at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype ", dtype,
-              " is not supported (float32, bfloat16)");
-  const Layout w = make_layout(data, N, K, bits, group, mins, f16, offset);
-  const auto idx = ids.to(at::kLong).contiguous().reshape({-1});
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t i = 0; i < idx.numel(); ++i)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row id ", ip[i], " out of range [0, ", N, ")");
-  auto out = at::empty({idx.numel(), K}, data.options().dtype(dtype));
-  if (dtype == at::kFloat) dequantize_kernel(w, ip, idx.numel(), out.data_ptr<float>());
-  else dequantize_kernel(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
-  return out;
-}
-
 #if defined(KILN_GEMV_VNNI)
 
 // The activations of one call, rounded: q [M, K] int8, dx [M, nb], s16 [M, 2 nb] (sum of qx
@@ -214,6 +198,73 @@ inline __m512i add_planes(__m512i v, const uint8_t* masks) {
   v = _mm512_mask_add_epi8(v, load_mask(masks), v, _mm512_set1_epi8(0x10));
   if constexpr (kBits == 6) v = _mm512_mask_add_epi8(v, load_mask(masks + 8), v, _mm512_set1_epi8(0x20));
   return v;
+}
+
+// Output channels n0..n1 (whole tiles but the last) of the weight, [n1 - n0, K], 16 channels
+// of a block at a time: the block's bytes unpacked into 8 vectors (h, j) of 64 bytes (byte 4 c +
+// t = input 16 h + 4 j + t of channel c), then each channel's 32 bytes gathered as 8 dwords.
+// The same values as dequantize_kernel: scale * (u - offset) is exact, then + min.
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+template <typename T>
+void dequantize_tiles(const Layout& w, int64_t n0, int64_t n1, T* out) {
+  const int64_t s = w.f16 ? 2 : 4;
+  const int64_t wb = weight_bytes(w.bits);
+  const int planes = w.bits == 8 ? 0 : static_cast<int>(w.bits) - 4;
+  const __m256i lanes = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+  const __m512 offset = _mm512_set1_ps(static_cast<float>(w.offset));
+  at::parallel_for(n0 / kTile, (n1 + kTile - 1) / kTile, 4, [&](int64_t t0, int64_t t1) {
+    alignas(64) uint8_t bytes[512];
+    float scales[2][kTile], mins[kTile];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* rec = w.data + t * w.nb * w.rec;
+      const int64_t c0 = std::max<int64_t>(n0, t * kTile), c1 = std::min<int64_t>(n1, (t + 1) * kTile);
+      for (int64_t b = 0; b < w.nb; ++b, rec += w.rec) {
+        if (w.bits == 8) {
+          std::memcpy(bytes, rec, 512);
+        } else {
+          const __m512i low4 = _mm512_set1_epi8(0x0F);
+          for (int j = 0; j < 4; ++j) {
+            const __m512i v = _mm512_loadu_si512(rec + j * 64);
+            __m512i half[2] = {_mm512_and_si512(v, low4),
+                               _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+            for (int h = 0; h < 2; ++h) {
+              for (int p = 0; p < planes; ++p) {
+                const __mmask64 m = load_mask(rec + 256 + ((j * 2 + h) * planes + p) * 8);
+                half[h] = _mm512_mask_add_epi8(half[h], m, half[h], _mm512_set1_epi8(16 << p));
+              }
+              _mm512_store_si512(bytes + (h * 4 + j) * 64, half[h]);
+            }
+          }
+        }
+        const uint8_t* sp = rec + wb;
+        for (int c = 0; c < kTile; ++c) {
+          for (int g = 0; g < w.groups; ++g) scales[g][c] = scale_at(sp + g * kTile * s, c, w.f16);
+          mins[c] = w.mins ? scale_at(sp + w.groups * kTile * s, c, w.f16) : 0.0f;
+        }
+        for (int64_t n = c0; n < c1; ++n) {
+          const int c = static_cast<int>(n - t * kTile);
+          const __m256i u8 = _mm256_i32gather_epi32(
+              reinterpret_cast<const int*>(bytes), _mm256_add_epi32(lanes, _mm256_set1_epi32(4 * c)), 1);
+          const __m512 m = _mm512_set1_ps(mins[c]);
+          T* orow = out + (n - n0) * w.K + b * kBlock;
+          for (int h = 0; h < 2; ++h) {
+            const __m128i q = h ? _mm256_extracti128_si256(u8, 1) : _mm256_castsi256_si128(u8);
+            const __m512 u = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), offset);
+            const __m512 scale = _mm512_set1_ps(scales[w.groups == 2 ? h : 0][c]);
+            store16(orow + 16 * h, _mm512_add_ps(_mm512_mul_ps(u, scale), m));
+          }
+        }
+      }
+    }
+  });
 }
 
 // res[r][c] for kRows rows r0.. of the activations and the 16 channels of `tile`.
@@ -374,6 +425,32 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t 
 }
 
 #endif  // KILN_GEMV_VNNI
+
+at::Tensor dequantize(const at::Tensor& data, const at::Tensor& ids, int64_t N, int64_t K,
+                      int64_t bits, int64_t group, bool mins, bool f16, int64_t offset,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype ", dtype,
+              " is not supported (float32, bfloat16)");
+  const Layout w = make_layout(data, N, K, bits, group, mins, f16, offset);
+  const auto idx = ids.to(at::kLong).contiguous().reshape({-1});
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row id ", ip[i], " out of range [0, ", N, ")");
+  auto out = at::empty({idx.numel(), K}, data.options().dtype(dtype));
+  auto run = [&](auto* op) {
+#if defined(KILN_GEMV_VNNI)
+    // A range of whole rows (the dense fallback): 16 channels per block at a time.
+    const int64_t count = idx.numel();
+    bool range = count >= kTile;
+    for (int64_t i = 1; range && i < count; ++i) range = ip[i] == ip[0] + i;
+    if (range) return dequantize_tiles(w, ip[0], ip[0] + count, op);
+#endif
+    dequantize_kernel(w, ip, idx.numel(), op);
+  };
+  if (dtype == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<c10::BFloat16>());
+  return out;
+}
 
 }  // namespace
 
