@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install Kiln, the kiln-x86 platform plugin, its default model and,
-# with --test, the test tools.
+# with --test, the test tools and Ray (the Ray executor's tests start a local Ray cluster).
 # Safe to run again: pip skips what is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" torch==2.13.0
 # kiln-x86 (plugins/kiln-x86) is the platform plugin for x86-64 CPUs; elsewhere it stays inactive.
 if [ "${1:-}" = "--test" ]; then
-    "${PIP[@]}" -e '.[test]' -e tests/plugins/kiln_test_plugin -e plugins/kiln-x86
+    "${PIP[@]}" -e '.[test,ray]' -e tests/plugins/kiln_test_plugin -e plugins/kiln-x86
 else
     "${PIP[@]}" -e . -e plugins/kiln-x86
 fi

@@ -256,10 +256,21 @@ class ParallelConfig:
 
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     """Devices one copy of the model is split over."""
+    pipeline_parallel_size: int = field(default=1, metadata={"aliases": ("-pp",)})
+    """Stages one copy of the model's layers is split over, one rank each, run in turn (the
+    first embeds, the last samples); not yet combined with tensor_parallel_size > 1."""
+    ray_address: str | None = None
+    """The Ray cluster of the ray backend (its head's host:port, or "auto"); None: the
+    ``RAY_ADDRESS`` environment variable, else a local cluster Kiln starts and stops."""
     distributed_executor_backend: str = field(
         default="uni", metadata={"choices": EXECUTOR_BACKENDS}
     )
     """uni (in the engine core), mp (a process per rank) or ray (many machines)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (worker processes) of one engine core."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         _check(
@@ -267,6 +278,19 @@ class ParallelConfig:
             "parallel.tensor_parallel_size",
             self.tensor_parallel_size,
             "an integer >= 1",
+        )
+        _check(
+            self.pipeline_parallel_size >= 1,
+            "parallel.pipeline_parallel_size",
+            self.pipeline_parallel_size,
+            "an integer >= 1",
+        )
+        _check(
+            self.pipeline_parallel_size == 1 or self.tensor_parallel_size == 1,
+            "parallel.pipeline_parallel_size",
+            self.pipeline_parallel_size,
+            f"1 with tensor_parallel_size={self.tensor_parallel_size} (pipeline and tensor "
+            "parallelism are not combined yet)",
         )
         _check(
             self.distributed_executor_backend in EXECUTOR_BACKENDS,

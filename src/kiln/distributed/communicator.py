@@ -1,8 +1,11 @@
-"""Device communicators: the collectives tensor parallelism needs, per platform.
+"""Device communicators: the collectives tensor parallelism needs and the point-to-point
+transfers pipeline parallelism needs, per platform.
 
-A platform names its communicator class (``communicator_cls``). The reference implementation uses
-``torch.distributed`` with the platform's ``dist_backend`` and is the identity when the group has
-one rank, so a single-device engine needs no process group at all.
+A platform names its communicator class (``communicator_cls``); each rank instantiates it once per
+group it belongs to (its tensor-parallel group, or its pipeline). Ranks are the group's: ``0`` to
+``world_size - 1``. The reference implementation uses ``torch.distributed`` with the platform's
+``dist_backend`` and is the identity when the group has one rank, so a single-device engine needs
+no process group at all.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ class Communicator(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    @abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst``, which receives it with ``recv``."""
+
+    @abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill ``tensor`` (allocated by the caller with the sent shape and dtype) with what rank
+        ``src`` sent; return it."""
 
 
 class TorchDistCommunicator(Communicator):
@@ -68,3 +80,10 @@ class TorchDistCommunicator(Communicator):
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        dist.send(tensor.contiguous(), dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        dist.recv(tensor, src)
+        return tensor

@@ -1,11 +1,15 @@
-"""The tensor-parallel group a model is built in: this rank's index, the number of ranks, and the
-platform's communicator that carries their collectives.
+"""The groups a model is built in: the tensor-parallel group (ranks that split every layer) and
+the pipeline (stages that each hold a slice of the layers), each with this rank's index, the
+number of ranks, and the platform's communicator that carries their traffic.
 
-Contract: a worker joins its group (``init_distributed``) and builds its model inside
-``with set_tp_group(group)``; each parallel layer reads ``get_tp_group()`` once, in its
-constructor, and keeps the group for its forward passes. Outside such a block the group is the
-single-rank one (rank 0 of 1, no communicator), so a model built in a test or by a uniproc worker
-needs nothing. This module knows nothing about models, executors or processes.
+Contract: a worker joins the process group (``init_distributed``, which also returns its
+tensor-parallel group), makes its pipeline group (``init_pipeline_group``), and builds its model
+inside ``with set_tp_group(tp), set_pp_group(pp)``; each parallel layer reads ``get_tp_group()``
+once, in its constructor, and a model reads ``get_pp_group()`` once to build only its stage's
+layers; both keep their group for the forward passes. Outside such a block the groups are the
+single-rank ones (rank 0 of 1, no communicator), so a model built in a test or by a uniproc worker
+needs nothing. Global ranks: ``rank = pp_rank * tensor_parallel_size + tp_rank``. This module knows
+nothing about models, executors or processes.
 """
 
 from __future__ import annotations
@@ -58,6 +62,68 @@ class TensorParallelGroup:
 
 SINGLE_RANK = TensorParallelGroup()
 
+
+@dataclass(frozen=True)
+class PipelineParallelGroup:
+    """This rank's stage among the stages that run one copy of the model's layers in turn: the
+    first embeds the tokens, each sends its last layer's hidden states and residual to the next,
+    and the last applies the final norm and the LM head and samples."""
+
+    rank: int = 0
+    """The stage's index."""
+    world_size: int = 1
+    communicator: Communicator | None = None
+    """None only for the single-stage pipeline."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} is invalid for world_size={self.world_size}")
+        if self.world_size > 1 and self.communicator is None:
+            raise ValueError(f"a pipeline of world_size={self.world_size} needs a communicator")
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """``(start, end)``: the decoder layers this stage holds. Layers split as evenly as they
+        go; the first ``num_layers % world_size`` stages hold one more.
+
+        Raises:
+            ValueError: fewer layers than stages.
+        """
+        if num_layers < self.world_size:
+            raise ValueError(
+                f"parallel.pipeline_parallel_size={self.world_size} exceeds the model's "
+                f"{num_layers} layers; allowed: 1..{num_layers}"
+            )
+        size, extra = divmod(num_layers, self.world_size)
+        start = self.rank * size + min(self.rank, extra)
+        return start, start + size + (self.rank < extra)
+
+    def send_to_next(self, tensor: torch.Tensor) -> None:
+        """Hand ``tensor`` to the next stage (which calls ``recv_from_prev``)."""
+        assert self.communicator is not None and not self.is_last
+        self.communicator.send(tensor, self.rank + 1)
+
+    def recv_from_prev(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` filled with what the previous stage sent."""
+        assert self.communicator is not None and not self.is_first
+        return self.communicator.recv(tensor, self.rank - 1)
+
+    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``tensor`` on every stage (the sampled tokens); identity for one."""
+        if self.communicator is None:
+            return tensor
+        return self.communicator.broadcast(tensor, self.world_size - 1)
+
+
+SINGLE_STAGE = PipelineParallelGroup()
+
 _tp_group: contextvars.ContextVar[TensorParallelGroup] = contextvars.ContextVar(
     "kiln_tp_group", default=SINGLE_RANK
 )
@@ -76,6 +142,26 @@ def set_tp_group(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
 def get_tp_group() -> TensorParallelGroup:
     """The group set by the enclosing ``set_tp_group`` block; the single-rank group outside one."""
     return _tp_group.get()
+
+
+_pp_group: contextvars.ContextVar[PipelineParallelGroup] = contextvars.ContextVar(
+    "kiln_pp_group", default=SINGLE_STAGE
+)
+
+
+@contextlib.contextmanager
+def set_pp_group(group: PipelineParallelGroup) -> Iterator[PipelineParallelGroup]:
+    """Make ``group`` what ``get_pp_group()`` returns inside the block (model construction)."""
+    token = _pp_group.set(group)
+    try:
+        yield group
+    finally:
+        _pp_group.reset(token)
+
+
+def get_pp_group() -> PipelineParallelGroup:
+    """The pipeline set by the enclosing ``set_pp_group`` block; one stage outside one."""
+    return _pp_group.get()
 
 
 def tp_group_for(tp_size: int | None) -> TensorParallelGroup:
@@ -101,8 +187,8 @@ def init_distributed(
     device: torch.device,
     dist_backend: str,
 ) -> TensorParallelGroup:
-    """Join the process group of ``parallel.tensor_parallel_size`` ranks and instantiate the
-    platform's communicator (``device.communicator_cls``) for this rank.
+    """Join the process group of ``parallel.world_size`` ranks and instantiate the platform's
+    communicator (``device.communicator_cls``) for this rank's tensor-parallel group.
 
     With one rank no process group is made. Side effect: ``torch.distributed`` is initialised in
     this process (undo with ``destroy_distributed``).
@@ -115,7 +201,7 @@ def init_distributed(
 
     from kiln.plugins.interfaces import resolve_class
 
-    world_size = config.parallel.tensor_parallel_size
+    world_size = config.parallel.world_size
     if world_size == 1:
         return SINGLE_RANK
     if not dist.is_initialized():
@@ -126,8 +212,40 @@ def init_distributed(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=DIST_INIT_TIMEOUT_S),
         )
+    tp_size = config.parallel.tensor_parallel_size
+    if tp_size == 1:
+        return SINGLE_RANK
+    # NOTE: with tensor_parallel_size == world_size (ParallelConfig refuses both kinds at once),
+    # the tensor-parallel group is the whole process group.
     communicator_cls = resolve_class("communicator_cls", config.device.communicator_cls)
-    return TensorParallelGroup(rank, world_size, communicator_cls(rank, world_size, device))
+    return TensorParallelGroup(rank, tp_size, communicator_cls(rank, tp_size, device))
+
+
+def init_pipeline_group(
+    config: KilnConfig, rank: int, device: torch.device
+) -> PipelineParallelGroup:
+    """This rank's stage of ``parallel.pipeline_parallel_size``, with the platform's communicator
+    for it (the process group must be joined: ``init_distributed``). One stage: no communicator.
+
+    Raises:
+        InterfaceError: the communicator class does not implement ``Communicator``.
+    """
+    from kiln.plugins.interfaces import resolve_class
+
+    pp_size = config.parallel.pipeline_parallel_size
+    if pp_size == 1:
+        return SINGLE_STAGE
+    # NOTE: tensor_parallel_size is 1 here (ParallelConfig), so the stage is the global rank and
+    # the pipeline the whole process group.
+    communicator_cls = resolve_class("communicator_cls", config.device.communicator_cls)
+    return PipelineParallelGroup(rank, pp_size, communicator_cls(rank, pp_size, device))
+
+
+def output_rank(config: KilnConfig) -> int:
+    """The rank whose ``execute_model`` answer is the step's output: the first tensor-parallel
+    rank of the last pipeline stage (rank 0 without a pipeline)."""
+    parallel = config.parallel
+    return parallel.world_size - parallel.tensor_parallel_size
 
 
 def destroy_distributed() -> None:
@@ -139,30 +257,36 @@ def destroy_distributed() -> None:
 
 
 def prepare_tensor_parallel_config(config: KilnConfig) -> KilnConfig:
-    """The config the ranks of a tensor-parallel model load with: dense weights, no graphs.
+    """The config the ranks of a tensor- or pipeline-parallel model load with: dense weights, no
+    graphs.
 
     Quantized storage (GGUF blocks, int8/int4 kept by a platform's ``quant_config``) is not
     sharded: a GGUF row splits into blocks of 32 or 256 along the input dimension, which a
-    row-parallel slice need not respect, and a platform's repacked layout is its own. So
-    ``model.quantization`` auto means dense weights here, and an explicit method is refused.
+    row-parallel slice need not respect, and a platform's repacked layout is its own. Pipeline
+    stages keep whole layers, but a last stage whose LM head is tied to the embedding would
+    need the embedding's blocks as its head, which no quantization method builds yet. So
+    ``model.quantization`` auto means dense weights with more than one rank, and an explicit
+    method is refused.
 
     Raises:
         ValueError: ``model.quantization`` gguf, int8 or int4 with more than one rank.
     """
-    tp_size = config.parallel.tensor_parallel_size
+    parallel = config.parallel
     method = config.model.quantization or "auto"
-    if tp_size == 1:
+    if parallel.world_size == 1:
         return config
     if method not in ("auto", "none"):
         raise ValueError(
-            f"model.quantization={method!r} keeps weights quantized, which tensor parallelism "
-            f"does not shard; with parallel.tensor_parallel_size={tp_size} allowed: 'auto' or "
-            "'none' (--quantization none, dense weights)"
+            f"model.quantization={method!r} keeps weights quantized, which tensor and pipeline "
+            f"parallelism do not split; with parallel.tensor_parallel_size="
+            f"{parallel.tensor_parallel_size} and pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size} allowed: 'auto' or 'none' (--quantization none, "
+            "dense weights)"
         )
     config = config.replace(model__quantization="none")
     if config.device.graph_capture_sizes is None:
-        # NOTE: collectives through torch.distributed are not captured by the graph wrappers;
-        # eager steps until a platform's communicator says it can be captured.
+        # NOTE: collectives and transfers through torch.distributed are not captured by the
+        # graph wrappers; eager steps until a platform's communicator says it can be captured.
         config = config.replace(device__graph_capture_sizes=())
     return config
 
@@ -184,12 +308,18 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 __all__ = [
     "DIST_INIT_TIMEOUT_S",
     "SINGLE_RANK",
+    "SINGLE_STAGE",
+    "PipelineParallelGroup",
     "TensorParallelGroup",
     "destroy_distributed",
     "divide",
+    "get_pp_group",
     "get_tp_group",
     "init_distributed",
+    "init_pipeline_group",
+    "output_rank",
     "prepare_tensor_parallel_config",
+    "set_pp_group",
     "set_tp_group",
     "tp_group_for",
 ]

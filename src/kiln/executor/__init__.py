@@ -2,7 +2,8 @@
 
 ``Executor`` is the seam: the engine core calls typed methods on it, never a worker directly.
 ``UniProcExecutor`` runs one worker in the engine core's own process; ``MultiprocExecutor`` one
-process per tensor-parallel rank on this machine. The Ray executor (many machines) is next.
+process per rank on this machine; ``RayExecutor`` one Ray actor per rank, on a Ray cluster of one
+machine or many.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ class Executor(ABC):
     def get_class(config: KilnConfig) -> type[Executor]:
         """The executor class for ``parallel.distributed_executor_backend``.
 
-        "uni" with ``tensor_parallel_size > 1`` means "mp" (uni is the default backend; one
-        process cannot hold several ranks).
+        "uni" with more than one rank (``world_size``) means "mp" (uni is the default backend;
+        one process cannot hold several ranks).
 
         Raises:
-            NotImplementedError: "ray" (not built yet).
+            NotImplementedError: a backend that is not built.
         """
         backend = config.parallel.distributed_executor_backend
-        if backend == "uni" and config.parallel.tensor_parallel_size > 1:
+        if backend == "uni" and config.parallel.world_size > 1:
             backend = "mp"
         if backend == "uni":
             from kiln.executor.uniproc import UniProcExecutor
@@ -38,6 +39,10 @@ class Executor(ABC):
             from kiln.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor
+        if backend == "ray":
+            from kiln.executor.ray_executor import RayExecutor
+
+            return RayExecutor
         raise NotImplementedError(
             f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'uni' or 'mp'"
         )

@@ -1,13 +1,15 @@
-"""One worker process per tensor-parallel rank, driven from the engine core over ZMQ.
+"""One worker process per rank (tensor-parallel rank or pipeline stage), driven from the engine
+core over ZMQ.
 
 Contract:
-- ``MultiprocExecutor(config).initialize()`` starts ``parallel.tensor_parallel_size`` processes
+- ``MultiprocExecutor(config).initialize()`` starts ``parallel.world_size`` processes
   (fresh interpreters, like the ``spawn`` start method) and waits, at most
   ``WORKER_START_TIMEOUT_S``, until every rank has joined the process group and loaded its shard.
   A rank that fails to start fails ``initialize`` with its traceback; the others are stopped.
 - Each call (``execute_model`` once per step) is serialized once and the same bytes are pushed to
-  every rank's socket; every rank runs it; only rank 0 answers ``execute_model`` (its sampled
-  tokens), every rank answers the other calls, and any rank answers with its error.
+  every rank's socket; every rank runs it; only the output rank (``output_rank``: rank 0, or the
+  last pipeline stage) answers ``execute_model`` (its sampled tokens), every rank answers the
+  other calls, and any rank answers with its error.
 - While it waits for an answer the executor watches the processes: a rank that dies fails the
   call within ``POLL_MS`` with ``WorkerDiedError`` (the engine core then reports the error to
   every request in flight and exits, see ``kiln.engine.core_proc``). ``shutdown`` asks every rank
@@ -15,8 +17,8 @@ Contract:
 - A worker whose engine core dies (SIGKILL) notices within ``POLL_MS`` while idle and exits.
 
 The calls are ``WorkerBase`` methods (``CALLS``); nothing else crosses. This module knows nothing
-about models or scheduling. Ray and pipeline parallelism will reuse the worker side
-(``WorkerProc``) behind another transport.
+about models or scheduling. The Ray executor (``kiln.executor.ray_executor``) reuses the worker
+side (``start_worker``, ``CALLS``) behind its own transport.
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from kiln.config import KilnConfig
-from kiln.distributed.parallel_state import prepare_tensor_parallel_config
+from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
 from kiln.executor import Executor
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kiln.worker.worker_base import WorkerBase
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +90,8 @@ class WorkerStart:
 class MultiprocExecutor(Executor):
     def __init__(self, config: KilnConfig) -> None:
         super().__init__(prepare_tensor_parallel_config(config))
-        self.world_size = self.config.parallel.tensor_parallel_size
+        self.world_size = self.config.parallel.world_size
+        self.output_rank = output_rank(self.config)
         self.processes: list[subprocess.Popen] = []
         self.ctx = zmq.Context()
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-tp-")
@@ -138,7 +144,7 @@ class MultiprocExecutor(Executor):
         self._call("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output, ranks={0})[0]
+        return self._call("execute_model", scheduler_output, ranks={self.output_rank})[0]
 
     def shutdown(self) -> None:
         """Stop every worker (asked, then terminated, then killed); idempotent."""
@@ -225,10 +231,8 @@ class WorkerProc:
     """The worker side: one rank's worker behind its sockets, until ``shutdown``."""
 
     def __init__(self, start: WorkerStart) -> None:
-        from kiln.plugins import init_process
-        from kiln.plugins.interfaces import resolve_class
-
         self.rank = start.rank
+        self.is_output_rank = start.rank == output_rank(start.config)
         self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PULL)
@@ -236,16 +240,9 @@ class WorkerProc:
         self.outputs = self.ctx.socket(zmq.PUSH)
         self.outputs.connect(start.output_addr)
         try:
-            config = init_process("worker", start.config)
-            worker_cls = resolve_class("worker_cls", config.device.worker_cls)
-            self.worker = worker_cls(
-                config,
-                local_rank=start.rank,
-                rank=start.rank,
-                distributed_init_method=start.distributed_init_method,
+            self.worker = start_worker(
+                start.config, start.rank, start.rank, start.distributed_init_method
             )
-            self.worker.init_device()
-            self.worker.load_model()
         except Exception:
             self._answer(FAILED, traceback.format_exc().encode())
             self.close()  # flushes the answer before the process exits
@@ -269,7 +266,7 @@ class WorkerProc:
                 raise
             if method == "shutdown":
                 return
-            if method != "execute_model" or self.rank == 0:
+            if method != "execute_model" or self.is_output_rank:
                 self._answer(OK, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
 
     def close(self) -> None:
@@ -279,6 +276,26 @@ class WorkerProc:
 
     def _answer(self, kind: bytes, payload: bytes) -> None:
         self.outputs.send_multipart([str(self.rank).encode(), kind, payload])
+
+
+def start_worker(
+    config: KilnConfig, rank: int, local_rank: int, distributed_init_method: str
+) -> WorkerBase:
+    """The platform's worker (``device.worker_cls``) for ``rank``, in this worker process: the
+    process's plugin lifecycle run, the process group joined, the model (this rank's part)
+    loaded. Every executor with worker processes starts its ranks with this.
+    """
+    from kiln.plugins import init_process
+    from kiln.plugins.interfaces import resolve_class
+
+    config = init_process("worker", config)
+    worker_cls = resolve_class("worker_cls", config.device.worker_cls)
+    worker = worker_cls(
+        config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method
+    )
+    worker.init_device()
+    worker.load_model()
+    return worker
 
 
 def main() -> None:
@@ -293,7 +310,7 @@ def main() -> None:
         import torch
 
         # The ranks share this machine's cores: one each's share, not all of them each.
-        world_size = start.config.parallel.tensor_parallel_size
+        world_size = start.config.parallel.world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         proc = WorkerProc(start)
@@ -311,4 +328,12 @@ def main() -> None:
         proc.close()
 
 
-__all__ = ["CALLS", "MultiprocExecutor", "WorkerDiedError", "WorkerProc", "WorkerStart", "main"]
+__all__ = [
+    "CALLS",
+    "MultiprocExecutor",
+    "WorkerDiedError",
+    "WorkerProc",
+    "WorkerStart",
+    "main",
+    "start_worker",
+]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kiln.config import KilnConfig, set_current_config
+from kiln.distributed.parallel_state import SINGLE_STAGE, get_pp_group
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.lora.model_manager import LoRAModelManager
 from kiln.messages import (
@@ -65,6 +66,8 @@ class ModelRunner(ModelRunnerBase):
         self.sampler = Sampler()
         self.apply_token_bitmask = ApplyTokenBitmask()
         self.model: Any = None
+        self.pp_group = SINGLE_STAGE
+        """This rank's pipeline stage (the worker's ``set_pp_group``); set by ``load_model``."""
         self.graph_sizes: list[int] = []
         """Decode buckets, ascending (empty: no graphs, no padding); set by ``load_model``."""
         self.hf_config: dict[str, Any] = {}
@@ -91,6 +94,7 @@ class ModelRunner(ModelRunnerBase):
             )
         wrapper_cls = resolve_obj_by_qualname(self.config.device.graph_wrapper_cls)
         self.model = model
+        self.pp_group = get_pp_group()
         self.runnable = wrapper_cls(model, self.config)
         self.graph_sizes = graph_capture_sizes(self.config, current_platform.supports_graph_capture)
         if self.config.lora.enable_lora:
@@ -163,6 +167,8 @@ class ModelRunner(ModelRunnerBase):
         )
         with set_forward_context(context):
             hidden_states = model(input_ids, positions)  # [num_tokens (padded), hidden]
+            if not self.pp_group.is_last:
+                return self._follow_last_stage(rows, num_scheduled)
             logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, V]
 
         # A request still inside its prompt after this step samples nothing; its generator must
@@ -178,6 +184,7 @@ class ModelRunner(ModelRunnerBase):
         if scheduler_output.grammar_bitmask is not None:
             logits = self._apply_grammar_bitmask(logits, rows, scheduler_output)
         sampler_output = self.sampler(logits, metadata)
+        self.pp_group.broadcast_from_last(sampler_output.sampled_token_ids)  # to earlier stages
         for i, state in saved.items():
             metadata.generators[i].set_state(state)
 
@@ -213,6 +220,20 @@ class ModelRunner(ModelRunnerBase):
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )
+
+    def _follow_last_stage(self, rows: list[int], num_scheduled: np.ndarray) -> ModelRunnerOutput:
+        """A stage before the last: take the tokens the last stage sampled into the batch (the
+        first stage embeds them next step) and answer nothing."""
+        batch = self.input_batch
+        assert batch is not None
+        sampled_t = torch.empty(len(rows), dtype=torch.int64, device=self.device)  # [num_reqs]
+        sampled = self.pp_group.broadcast_from_last(sampled_t).tolist()
+        computed_after = batch.num_computed_tokens[rows] + num_scheduled
+        for i, row in enumerate(rows):
+            batch.num_computed_tokens[row] = computed_after[i]
+            if computed_after[i] >= batch.num_tokens[row]:  # not inside its prompt: sampled
+                batch.append_token(row, sampled[i])
+        return EMPTY_MODEL_RUNNER_OUTPUT
 
     def _apply_grammar_bitmask(
         self, logits: torch.Tensor, rows: list[int], scheduler_output: SchedulerOutput

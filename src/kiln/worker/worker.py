@@ -16,8 +16,11 @@ import torch
 from kiln.config import KilnConfig
 from kiln.distributed.parallel_state import (
     SINGLE_RANK,
+    SINGLE_STAGE,
     destroy_distributed,
     init_distributed,
+    init_pipeline_group,
+    set_pp_group,
     set_tp_group,
 )
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
@@ -58,6 +61,7 @@ class Worker(WorkerBase):
         self.device = current_platform.get_device(local_rank)
         self.model_runner: Any = None
         self.tp_group = SINGLE_RANK
+        self.pp_group = SINGLE_STAGE
 
     def init_device(self) -> None:
         self.platform.init_worker_process(self.config)
@@ -71,13 +75,19 @@ class Worker(WorkerBase):
             self.device,
             self.platform.dist_backend,
         )
+        self.pp_group = init_pipeline_group(self.config, self.rank, self.device)
         runner_cls = resolve_class("model_runner_cls", self.config.device.model_runner_cls)
         self.model_runner = runner_cls(self.config, self.device)
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        # Parallel layers take this rank's slice of every weight from the group.
-        with self.platform.inference_mode(), set_tp_group(self.tp_group):
+        # Parallel layers take this rank's slice of every weight from the group; a pipeline
+        # stage builds only its layers.
+        with (
+            self.platform.inference_mode(),
+            set_tp_group(self.tp_group),
+            set_pp_group(self.pp_group),
+        ):
             self.model_runner.load_model()
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from kiln.distributed.parallel_state import get_pp_group
 from kiln.model_executor.layers.activation import SiluAndMul
 from kiln.model_executor.layers.attention import Attention, get_attention_layers
 from kiln.model_executor.layers.layernorm import RMSNorm
@@ -44,6 +46,7 @@ from kiln.model_executor.layers.vocab_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from kiln.model_executor.models.pipeline import MissingLayer, is_on_other_stage
 
 
 def config_dict(hf_config: Any) -> dict[str, Any]:
@@ -233,7 +236,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm."""
+    """Embedding, decoder layers, final norm; in a pipeline, only this stage's part of them (the
+    others are ``MissingLayer``s) and the hand-over of hidden states between stages."""
 
     def __init__(
         self,
@@ -244,12 +248,19 @@ class LlamaModel(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            args.vocab_size,
-            args.hidden_size,
-            dtype,
-            prefix=join_prefix(prefix, "embed_tokens"),
-            quant_config=quant_config,
+        self.pp_group = get_pp_group()
+        self.start_layer, self.end_layer = self.pp_group.layer_range(args.num_layers)
+        self.hidden_size, self.dtype = args.hidden_size, dtype
+        self.embed_tokens = (
+            VocabParallelEmbedding(
+                args.vocab_size,
+                args.hidden_size,
+                dtype,
+                prefix=join_prefix(prefix, "embed_tokens"),
+                quant_config=quant_config,
+            )
+            if self.pp_group.is_first
+            else MissingLayer()
         )
         rotary_emb = RotaryEmbedding(
             args.head_dim, args.max_position, args.rope_theta, args.rope_scaling, dtype
@@ -264,15 +275,33 @@ class LlamaModel(nn.Module):
                 quant_config,
                 join_prefix(prefix, f"layers.{i}"),
             )
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
             for i in range(args.num_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.norm = (
+            RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            if self.pp_group.is_last
+            else MissingLayer()
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer in self.layers:
+        """[T] ids -> [T, hidden]: the final hidden states on the last stage; on the others,
+        their last layer's output (it and the residual go to the next stage)."""
+        if self.pp_group.is_first:
+            hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+            residual = None
+        else:
+            # [2, T, hidden]: the previous stage's hidden states and residual
+            received = torch.empty(
+                (2, input_ids.shape[0], self.hidden_size), dtype=self.dtype, device=input_ids.device
+            )
+            hidden_states, residual = self.pp_group.recv_from_prev(received)
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.pp_group.is_last:
+            self.pp_group.send_to_next(torch.stack([hidden_states, residual]))
+            return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -303,14 +332,21 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             self.args, self.attention_cls, dtype, quant_config, join_prefix(prefix, "model")
         )
-        self.lm_head = ParallelLMHead(
-            self.args.vocab_size,
-            self.args.hidden_size,
-            params_dtype=dtype,
-            prefix=join_prefix(prefix, "lm_head"),
-            quant_config=quant_config,
+        pp_group = self.model.pp_group
+        self.lm_head = (
+            ParallelLMHead(
+                self.args.vocab_size,
+                self.args.hidden_size,
+                params_dtype=dtype,
+                prefix=join_prefix(prefix, "lm_head"),
+                quant_config=quant_config,
+            )
+            if pp_group.is_last
+            else MissingLayer()
         )
-        if self.args.tie_word_embeddings:
+        # A last stage without the embedding loads the tied head from the embedding's tensor.
+        self.loads_head_from_embedding = self.args.tie_word_embeddings and not pp_group.is_first
+        if self.args.tie_word_embeddings and pp_group.world_size == 1:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(self.args.vocab_size)
 
@@ -375,7 +411,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors into this model's (fused) parameters.
 
-        Skips rotary ``inv_freq`` buffers and, with tied embeddings, ``lm_head.*``.
+        Skips rotary ``inv_freq`` buffers, with tied embeddings ``lm_head.*``, and the tensors of
+        other pipeline stages.
 
         Returns:
             names (as in ``named_parameters()``) of the parameters fully loaded; a fused
@@ -395,8 +432,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.args.tie_word_embeddings and hf_name.startswith("lm_head."):
                 continue
+            if self.loads_head_from_embedding and hf_name == "model.embed_tokens.weight":
+                hf_name = "lm_head.weight"
             name, fused, shard = self._param_name(hf_name)
             param = params.get(name)
+            if param is None and is_on_other_stage(self, name):
+                continue
             if param is None:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} matches no parameter of "

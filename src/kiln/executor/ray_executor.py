@@ -1,0 +1,263 @@
+"""One Ray actor per rank, on a Ray cluster of one machine or many.
+
+Contract:
+- ``RayExecutor(config).initialize()`` connects to a cluster: ``parallel.ray_address``, else
+  ``RAY_ADDRESS``, else a local cluster it starts (and stops at ``shutdown``); a connection this
+  process already has is used as it is. It reserves a placement group of ``world_size`` bundles
+  of one CPU each (PACK: ranks share a node while it has CPUs free and spread over nodes when it
+  has not) and starts one actor (``RayWorker``) in each. Rank 0's actor names its node's address
+  and a free port there, the torch.distributed rendezvous every rank joins; then each rank runs
+  the platform's worker class (``start_worker``, as the multiprocess executor does) and loads its
+  part of the model. All of it within ``START_TIMEOUT_S``; a rank that fails to start fails
+  ``initialize`` with its traceback, and everything is released.
+- Each call goes to every rank: its arguments are put in the object store once and the same
+  object reaches every actor. ``execute_model`` returns the output rank's answer
+  (``output_rank``); every rank answers the other calls.
+- While it waits the executor watches every rank: an actor that dies fails the call within
+  ``POLL_S`` of Ray reporting it with ``WorkerDiedError``, a rank that raises fails it with its
+  traceback (the engine core then reports the error to every request in flight and exits).
+- ``shutdown`` asks the ranks to stop, kills the actors, removes the placement group and
+  disconnects: no actor outlives it. An engine core that dies takes its actors with it (Ray kills
+  the actors of a driver that is gone).
+
+``ray`` is an optional dependency (``pip install kiln[ray]``), imported only when this executor
+starts. This module knows nothing about models or scheduling.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from kiln.config import KilnConfig
+from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
+from kiln.executor import Executor
+from kiln.executor.multiproc import (
+    CALLS,
+    SHUTDOWN_GRACE_S,
+    WORKER_START_TIMEOUT_S,
+    WorkerDiedError,
+    start_worker,
+)
+from kiln.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = WORKER_START_TIMEOUT_S
+"""Longest the ranks may take to be placed, start and load, on a busy cluster."""
+PLACEMENT_TIMEOUT_S = 120.0
+"""Longest the cluster may take to find a CPU for every rank (a node may still be joining)."""
+POLL_S = 0.1
+"""How often a waiting executor checks its actors."""
+LOCAL_OBJECT_STORE_BYTES = 100 * 1024 * 1024
+"""Object store of a local cluster Kiln starts: only step messages cross it (Ray's minimum is
+75 MiB; its default, 30 % of memory, is far more than this needs)."""
+
+
+class RayWorker:
+    """One rank inside a Ray actor: the platform's worker, once ``start`` has run."""
+
+    def __init__(self, config: KilnConfig, rank: int) -> None:
+        self.config, self.rank = config, rank
+        self.is_output_rank = rank == output_rank(config)
+        self.worker: Any = None
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s"
+        )
+
+    def node(self) -> tuple[str, str]:
+        """``(node id, node address)`` of the node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A TCP port free on this actor's node (the rendezvous, when this is rank 0)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, local_rank: int, distributed_init_method: str) -> None:
+        self.worker = start_worker(self.config, self.rank, local_rank, distributed_init_method)
+
+    def call(self, method: str, args: tuple) -> Any:
+        """``worker.method(*args)``; None for ``execute_model`` off the output rank."""
+        if method not in CALLS:
+            raise ValueError(f"call={method!r} is invalid; allowed: {list(CALLS)}")
+        result = getattr(self.worker, method)(*args)
+        return None if method == "execute_model" and not self.is_output_rank else result
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: KilnConfig) -> None:
+        super().__init__(prepare_tensor_parallel_config(config))
+        self.world_size = self.config.parallel.world_size
+        self.output_rank = output_rank(self.config)
+        self.actors: list[Any] = []
+        self.node_ids: list[str] = []
+        """Per rank, the Ray node its actor runs on (set by ``initialize``)."""
+        self.placement_group: Any = None
+        self.owns_connection = False
+        self.is_shut_down = False
+
+    def initialize(self) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as exc:
+            raise ImportError(
+                "parallel.distributed_executor_backend='ray' needs Ray: pip install 'kiln[ray]'"
+            ) from exc
+        atexit.register(self.shutdown)
+        try:
+            self._connect(ray)
+            bundles = [{"CPU": 1.0}] * self.world_size
+            self.placement_group = placement_group(bundles, strategy="PACK")
+            if not self.placement_group.wait(PLACEMENT_TIMEOUT_S):
+                raise TimeoutError(
+                    f"the Ray cluster found no CPU for each of {self.world_size} ranks within "
+                    f"{PLACEMENT_TIMEOUT_S:.0f} s (it has {ray.cluster_resources().get('CPU', 0)} "
+                    f"CPUs, {ray.available_resources().get('CPU', 0)} free)"
+                )
+            actor_cls = ray.remote(num_cpus=1)(RayWorker)
+            for rank in range(self.world_size):
+                strategy = PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                )
+                self.actors.append(
+                    actor_cls.options(scheduling_strategy=strategy).remote(self.config, rank)
+                )
+            deadline = time.monotonic() + START_TIMEOUT_S
+            nodes = self._get([actor.node.remote() for actor in self.actors], "start", deadline)
+            self.node_ids = [node_id for node_id, _ in nodes]
+            port = self._get([self.actors[0].free_port.remote()], "start", deadline)[0]
+            init_method = f"tcp://{nodes[0][1]}:{port}"
+            local_ranks = [self.node_ids[:rank].count(n) for rank, n in enumerate(self.node_ids)]
+            starts = [
+                actor.start.remote(local_rank, init_method)
+                for actor, local_rank in zip(self.actors, local_ranks, strict=True)
+            ]
+            self._get(starts, "start", deadline)
+            logger.info(
+                "%d ranks on %d Ray node(s), rendezvous %s",
+                self.world_size,
+                len(set(self.node_ids)),
+                init_method,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _connect(self, ray: Any) -> None:
+        """Join the configured cluster, or start a local one (``owns_connection``)."""
+        if ray.is_initialized():
+            return  # the caller's connection (a Ray job, a test): it stays theirs
+        address = self.config.parallel.ray_address or os.environ.get("RAY_ADDRESS")
+        is_main = threading.current_thread() is threading.main_thread()
+        # NOTE: ray.init installs its own SIGTERM handler; the engine core keeps its own.
+        sigterm = signal.getsignal(signal.SIGTERM) if is_main else None
+        if address:
+            ray.init(address=address, log_to_driver=True, configure_logging=False)
+        else:
+            ray.init(
+                address="local",
+                num_cpus=self.world_size,
+                include_dashboard=False,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                configure_logging=False,
+            )
+        if is_main:
+            signal.signal(signal.SIGTERM, sigterm)
+        self.owns_connection = True
+
+    def determine_available_memory(self) -> list[int]:
+        return self._call("determine_available_memory")
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return self._call("get_kv_cache_bytes_per_block")[0]
+
+    def get_max_model_len(self) -> int:
+        return self._call("get_max_model_len")[0]
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks)
+        self._call("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", scheduler_output)[self.output_rank]
+
+    def shutdown(self) -> None:
+        """Stop every rank (asked, then killed), free the placement group, disconnect (stopping
+        a local cluster this executor started); idempotent."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        atexit.unregister(self.shutdown)
+        import ray
+
+        if not ray.is_initialized():
+            return  # disconnected already (at exit): Ray took the actors with the driver
+        if self.actors:
+            stops = [actor.call.remote("shutdown", ()) for actor in self.actors]
+            with contextlib.suppress(Exception):
+                ray.wait(stops, num_returns=len(stops), timeout=SHUTDOWN_GRACE_S)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+        if self.owns_connection:
+            ray.shutdown()
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """Run ``method(*args)`` on every rank; their answers in rank order.
+
+        Raises:
+            WorkerDiedError: an actor died.
+            RuntimeError: a rank raised (its traceback in the message).
+        """
+        import ray
+
+        if self.is_shut_down:
+            raise WorkerDiedError("the workers are shut down")
+        args_ref = ray.put(args)  # serialized once, fetched by every rank
+        return self._get([actor.call.remote(method, args_ref) for actor in self.actors], method)
+
+    def _get(self, refs: list[Any], what: str, deadline: float | None = None) -> list[Any]:
+        """The results of ``refs`` (one per rank, in rank order), failing as soon as any fails."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError as exc:
+                    raise WorkerDiedError(
+                        f"rank {rank}'s Ray actor died during {what}: {exc}"
+                    ) from None
+                except RayTaskError as exc:
+                    raise RuntimeError(f"rank {rank} failed in {what}:\n{exc}") from None
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(pending.values())
+                raise TimeoutError(f"ranks {missing} did not {what} within {START_TIMEOUT_S:.0f} s")
+        return results
+
+
+__all__ = ["RayExecutor", "RayWorker"]

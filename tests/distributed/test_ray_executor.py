@@ -1,0 +1,204 @@
+"""The Ray executor on a local cluster of two Ray nodes (one CPU each, both on this machine):
+TP=2 places one rank on each node, and greedy tokens in float32 at TP=2 and PP=2 on Ray equal
+TP=1 on a small random Llama (4 KV heads, odd vocabulary) and, at TP=2, on the default model. A
+rank's actor killed mid-request: the request ends with an error promptly, ``/health`` answers 503,
+``kiln serve`` exits non-zero and no actor is left."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
+from serve_utils import BASE_ARGS, KilnServer, is_running  # noqa: E402
+from test_pipeline_parallel import GREEDY, TOKEN_PROMPTS, greedy_tokens, tiny_llama  # noqa: E402
+
+ray = pytest.importorskip("ray")  # the optional extra: pip install 'kiln[ray]'
+
+pytestmark = pytest.mark.slow
+
+NODE_START_TIMEOUT_S = 120
+ACTOR_TITLE = b"ray::RayWorker"
+"""What Ray shows as the command line of a process that runs a Kiln rank's actor."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def _pids_with(needle: bytes) -> list[int]:
+    """Processes whose command line contains ``needle``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+                if needle in f.read() and is_running(int(entry)):
+                    pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """``host:port`` of a two-node Ray cluster on this machine (1 CPU per node, no dashboard,
+    small object stores), in its own temp dir; every process it started is gone afterwards."""
+    ray_bin = str(pathlib.Path(sys.executable).parent / "ray")
+    temp_dir = tempfile.mkdtemp(prefix="kray", dir="/tmp")  # short: Ray's socket paths
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus", "1", "--object-store-memory", str(80 * 1024 * 1024), "--block"]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    nodes = []
+    try:
+        nodes.append(
+            subprocess.Popen(
+                [ray_bin, "start", "--head", "--port", str(port), "--node-ip-address",
+                 "127.0.0.1", "--include-dashboard=false", "--temp-dir", temp_dir, *common],
+                env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        _wait_port(port, NODE_START_TIMEOUT_S)
+        nodes.append(
+            subprocess.Popen(
+                [ray_bin, "start", "--address", address, "--node-ip-address", "127.0.0.1",
+                 *common],
+                env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        yield address
+    finally:
+        # Each `ray start` leads a process group (its GCS, raylet, agents); the actors' processes
+        # exit with their raylet.
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait(30)
+        for pid in _pids_with(temp_dir.encode()):  # anything that left its process group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, gguf_path):
+    """A small random Llama and its TP=1 greedy tokens (the reference)."""
+    folder = tiny_llama(tmp_path_factory.mktemp("ray") / "llama")
+    return folder, greedy_tokens(folder, TOKEN_PROMPTS, tokenizer=gguf_path)
+
+
+def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, list[str], set]:
+    """Greedy tokens on the Ray executor, the node of each rank, and the cluster's live nodes."""
+    from kiln import LLM
+
+    llm = LLM(
+        model,
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_model_len=256,
+        distributed_executor_backend="ray",
+        ray_address=address,
+        **kwargs,
+    )
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        executor = llm.llm_engine.engine_core.executor
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        return [o.outputs[0].token_ids for o in outputs], executor.node_ids, alive
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_tp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(ray_cluster, tiny, gguf_path):
+    folder, tp1 = tiny
+    tokens, node_ids, alive = _on_ray(
+        ray_cluster, folder, TOKEN_PROMPTS, tokenizer=gguf_path, tensor_parallel_size=2
+    )
+    assert tokens == tp1
+    assert len(set(node_ids)) == 2 and set(node_ids) <= alive  # one rank on each node
+
+
+def test_pp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(ray_cluster, tiny, gguf_path):
+    folder, tp1 = tiny
+    tokens, node_ids, _ = _on_ray(
+        ray_cluster, folder, TOKEN_PROMPTS, tokenizer=gguf_path, pipeline_parallel_size=2
+    )
+    assert tokens == tp1
+    assert len(set(node_ids)) == 2
+
+
+def test_tp2_on_two_ray_nodes_equals_tp1_on_the_default_model(ray_cluster, gguf_path):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    tp1 = greedy_tokens(gguf_path, prompts, quantization="none")
+    tokens, node_ids, _ = _on_ray(ray_cluster, gguf_path, prompts, tensor_parallel_size=2)
+    assert tokens == tp1
+    assert len(set(node_ids)) == 2
+
+
+def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(
+    ray_cluster, tiny, gguf_path
+):
+    folder, _ = tiny
+    before = set(_pids_with(ACTOR_TITLE))
+    args = [
+        folder,
+        *BASE_ARGS,
+        "--tokenizer",
+        gguf_path,
+        "--kv-cache-memory",  # the last one counts: the tiny model needs little
+        "0.02",
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--ray-address",
+        ray_cluster,
+    ]
+    server = KilnServer(args, start_timeout=600)
+    try:
+        actors = sorted(set(_pids_with(ACTOR_TITLE)) - before)
+        assert len(actors) == 2
+        http = httpx.Client(base_url=server.url, timeout=60)
+        body = {"prompt": [1, 5, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        response = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # generating
+        os.kill(actors[1], signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - killed < 10
+        assert any('"error"' in line for line in rest), rest[-3:]
+        with contextlib.suppress(httpx.HTTPError):  # the server may already be gone
+            assert http.get("/health", timeout=2).status_code == 503
+        assert server.proc.wait(30) != 0
+        deadline = time.monotonic() + 30
+        while any(is_running(p) for p in actors) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in actors if is_running(p)], "actors left behind"
+        response.close()
+        http.close()
+    finally:
+        server.stop()
