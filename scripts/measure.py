@@ -37,8 +37,9 @@ LAYERS: list[list[str]] = [
      "plugins.registry", "plugins.interfaces", "plugins.config", "lora.request"],
     ["patches"],
     # The parts of a forward; hardware-independent; they do not pick a platform.
-    # LoRA: adapter folders, the lora_apply op and the runner's adapter slots.
-    ["model_executor", "sampling", "distributed", "lora"],
+    # LoRA: adapter folders, the lora_apply op and the runner's adapter slots. Speculative
+    # decoding: proposers and the rejection sampler.
+    ["model_executor", "sampling", "distributed", "lora", "spec_decode"],
     # Platforms fill the op and class seams of the layers below; the tokenizer reads GGUF files.
     ["platforms", "tokenizer"],
     # Discovery, selection, lifecycle, introspection of plugins.

@@ -120,6 +120,7 @@ def test_contract_tables_name_every_member() -> None:
     from kiln.model_executor.layers import attention
     from kiln.model_executor.loader.base import ModelLoader
     from kiln.platforms.interface import Platform
+    from kiln.spec_decode.interface import ProposerBase, RejectionSamplerBase
     from kiln.testing import conformance
     from kiln.worker.graph import GraphWrapper
     from kiln.worker.worker_base import ModelRunnerBase, WorkerBase
@@ -135,6 +136,8 @@ def test_contract_tables_name_every_member() -> None:
         Communicator,
         GraphWrapper,
         ModelLoader,
+        ProposerBase,
+        RejectionSamplerBase,
     ]
     missing = [
         f"{cls.__qualname__}.{name}"

@@ -318,6 +318,10 @@ class DeviceConfig:
     """Dotted path of the device communicator class (filled by the platform)."""
     graph_wrapper_cls: str = AUTO
     """Dotted path of the graph-capture wrapper class (filled by the platform)."""
+    proposer_cls: str = AUTO
+    """Dotted path of the speculative-decoding proposer class (filled by the platform)."""
+    rejection_sampler_cls: str = AUTO
+    """Dotted path of the speculative-decoding rejection sampler class (filled by the platform)."""
     graph_capture_sizes: tuple[int, ...] | None = field(
         default=None, metadata={"metavar": "N,N,...", "parse": parse_graph_capture_sizes}
     )
@@ -438,6 +442,108 @@ class StructuredOutputsConfig:
         )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+"""Values of ``speculative.method`` (None: no speculation). TODO(#14): "draft_model"."""
+
+_SPECULATIVE_EXAMPLE = '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """``--speculative-config``: JSON (or, from Python, a dict) of ``SpeculativeConfig`` fields.
+
+    As vLLM: with ``ngram``, a missing ``prompt_lookup_min`` / ``prompt_lookup_max`` takes the
+    other's value, and both missing are 5.
+
+    Raises:
+        ValueError: not JSON, not an object, or a key that is no field (names the allowed ones).
+    """
+    if not value:
+        return {}
+    try:
+        data = json.loads(value) if isinstance(value, str) else dict(value)
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(f"--speculative-config is not valid JSON: {exc}") from exc
+    allowed = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    if not isinstance(data, dict) or not set(data) <= set(allowed):
+        raise ValueError(
+            f"speculative_config={value!r} is invalid; allowed: a JSON object with keys in "
+            f"{allowed}, like {_SPECULATIVE_EXAMPLE}"
+        )
+    if data.get("method") == "ngram":
+        lookup_min, lookup_max = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+        if lookup_min is None and lookup_max is None:
+            lookup_min = lookup_max = 5
+        data["prompt_lookup_min"] = lookup_max if lookup_min is None else lookup_min
+        data["prompt_lookup_max"] = lookup_min if lookup_max is None else lookup_max
+    return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a cheap proposer drafts tokens that the model verifies in one forward,
+    keeping exactly the model's output distribution (greedy output token for token).
+
+    All fields are set by one flag, ``--speculative-config`` (``LLM(speculative_config={...})``),
+    as vLLM: ``'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'``."""
+
+    method: str | None = field(
+        default=None,
+        metadata={
+            "flag": "speculative_config",
+            "metavar": "JSON",
+            "parse": parse_speculative_config,
+        },
+    )
+    """None: no speculation; "ngram": prompt lookup (drafts are the tokens that followed the
+    latest earlier occurrence of the request's last n tokens, prompt and output)."""
+    num_speculative_tokens: int = field(default=0, metadata={"set_by": "speculative_config"})
+    """Most draft tokens a request verifies per step (>= 1 when ``method`` is set)."""
+    prompt_lookup_min: int = field(default=5, metadata={"set_by": "speculative_config"})
+    """ngram: the shortest suffix n-gram looked up."""
+    prompt_lookup_max: int = field(default=5, metadata={"set_by": "speculative_config"})
+    """ngram: the longest suffix n-gram looked up (the longest that matches wins)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method is None or self.method in SPECULATIVE_METHODS,
+            "speculative.method",
+            self.method,
+            f"None or one of {list(SPECULATIVE_METHODS)}",
+        )
+        if self.method is None:
+            _check(
+                self.num_speculative_tokens == 0,
+                "speculative.num_speculative_tokens",
+                self.num_speculative_tokens,
+                "0 without a method (set speculative.method)",
+            )
+            return
+        _check(
+            _is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
+            "speculative.num_speculative_tokens",
+            self.num_speculative_tokens,
+            f"an integer >= 1 with method {self.method!r}, like {_SPECULATIVE_EXAMPLE}",
+        )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"speculative.{name}", value, "an integer >= 1")
+        _check(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative.prompt_lookup_min",
+            self.prompt_lookup_min,
+            f"at most prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Draft tokens per request per step: 0 without speculation."""
+        return self.num_speculative_tokens if self.method is not None else 0
+
+
 @dataclass(frozen=True)
 class KilnConfig:
     """Everything one engine needs, by domain."""
@@ -450,6 +556,7 @@ class KilnConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def replace(self, **changes: Any) -> KilnConfig:
         """A copy with fields changed, named ``section__field`` (``device__worker_cls="x.Y"``).
@@ -500,6 +607,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoRAConfig,
     "plugins": PluginConfig,
     "structured_outputs": StructuredOutputsConfig,
+    "speculative": SpeculativeConfig,
 }
 """``KilnConfig``'s sections by name, in order."""
 

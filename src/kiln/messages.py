@@ -82,6 +82,12 @@ class SchedulerStats(msgspec.Struct, gc=False):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     """Preemptions since the last stats."""
+    spec_num_drafts: int = 0
+    """Speculative decoding, since the last stats: request-steps that verified drafts..."""
+    spec_num_draft_tokens: int = 0
+    """...the draft tokens they verified..."""
+    spec_num_accepted_tokens: int = 0
+    """...and how many of those were accepted."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -137,6 +143,9 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
     """[len(structured_output_request_ids), ceil(V / 32)] int32: bit ``t % 32`` of word
     ``t // 32`` set when token ``t`` may be sampled next (the runner masks the rest)."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: request id -> the draft tokens it verifies this step (the last
+    ``len(drafts)`` of its scheduled tokens); requests without drafts are absent."""
 
 
 @dataclass
@@ -144,13 +153,18 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
-    """Per request in ``req_ids`` order: the sampled token, or [] for a partial prefill chunk."""
+    """Per request in ``req_ids`` order: the sampled token, or [] for a partial prefill chunk;
+    with drafts, its accepted drafts and then one more token."""
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Per request that asked for logprobs and sampled this step: the logprobs of its sampled
-    token (one row each). Complete: the scheduler routes them as they are."""
+    tokens (one row each). Complete: the scheduler routes them as they are (cut where a stop
+    cuts the tokens)."""
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
     """Per request that asked for prompt logprobs and whose prefill finished this step (the step
     that samples its first token): all ``P - 1`` of them, never in chunks."""
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    """Speculative decoding: per request in ``req_ids`` order, the drafts proposed for its next
+    step ([] for none); empty when the runner does not speculate."""
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -208,6 +208,9 @@ class IncrementalDetokenizer:
         self.min_tokens = params.min_tokens
         self.output_text = ""
         self.num_output_tokens = 0
+        self.num_tokens_after_stop = 0
+        """Of the last ``update``'s tokens, how many came after the one that completed the stop
+        string (several tokens arrive per step with speculative decoding): the caller drops them."""
         self._num_sent_chars = 0
         # Whether streamed text must hold back a possible start of a stop string.
         self._holds_back = bool(self.stop) and not self.include_stop_str_in_output
@@ -248,7 +251,15 @@ class IncrementalDetokenizer:
         match = self._stop_matcher.feed(new_text, start, check_from)
         if match is None:
             return None
-        stop_str, start = match
+        stop_str, match_start = match
+        # The token whose text completes the stop string; those after it are not output.
+        end = start
+        for i, piece in enumerate(pieces[: len(new_token_ids)]):
+            end += len(piece)
+            if end >= match_start + len(stop_str):
+                self.num_tokens_after_stop = len(new_token_ids) - i - 1
+                break
+        start = match_start
         end = start + len(stop_str) if self.include_stop_str_in_output else start
         self.output_text = self.output_text[:end]
         return stop_str

@@ -178,6 +178,7 @@ class OutputProcessor:
                     finished=finish_reason is not None,
                 )
                 if stop_str is not None:
+                    state.drop_last_tokens(state.detokenizer.num_tokens_after_stop)
                     finish_reason, stop_reason = FinishReason.STOP, stop_str
                     if not output.finished:
                         reqs_to_abort.append(output.request_id)

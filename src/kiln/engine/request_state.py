@@ -213,6 +213,22 @@ class RequestState(_SendsPromptLogprobsOnce):
                 )
             )
 
+    def drop_last_tokens(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` output tokens (and their logprobs): they came after a
+        stop string in the same step."""
+        if num_tokens <= 0:
+            return
+        dropped = self.token_ids[-num_tokens:]
+        del self.token_ids[-num_tokens:]
+        if self.logprobs is not None and len(self.logprobs) >= num_tokens:
+            assert self.cumulative_logprob is not None
+            positions = self.logprobs[-num_tokens:]
+            del self.logprobs[-num_tokens:]
+            self.cumulative_logprob -= sum(
+                position[token_id].logprob
+                for token_id, position in zip(dropped, positions, strict=True)
+            )
+
     def make_completion_output(
         self, finish_reason: FinishReason | None, stop_reason: int | str | None
     ) -> CompletionOutput | None:

@@ -4,7 +4,12 @@
 (``IterationStats``) report each step. It keeps totals (what ``/metrics`` exports) and logs::
 
     Engine: prompt 812.3 tok/s, generation 95.1 tok/s | running 16, waiting 0 | KV cache 12.5% |
-    prefix cache hit rate 43.0% | preemptions 0
+    prefix cache hit rate 43.0% | preemptions 0 | spec decode: acceptance rate 61.3%, mean
+    accepted length 3.45
+
+(the speculative-decoding part only while drafts were verified in the window: the share of draft
+tokens accepted, and the tokens a verifying request gained per step, its bonus token included,
+as vLLM's "mean acceptance length").
 
 This module knows nothing about Prometheus; the server's metrics module reads the totals and
 registers a listener (``add_listener``) for what totals cannot hold (latency histograms).
@@ -64,6 +69,21 @@ class StatsTotals:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    spec_num_drafts: int = 0
+    """Speculative decoding: request-steps that verified drafts."""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+
+def spec_decode_rates(
+    num_drafts: int, num_draft_tokens: int, num_accepted: int
+) -> tuple[float, float]:
+    """``(acceptance rate, mean accepted length)``: the share of draft tokens accepted, and the
+    tokens per verifying step (accepted drafts plus the one more each step emits); 0s without
+    drafts."""
+    if not num_drafts:
+        return 0.0, 0.0
+    return num_accepted / max(num_draft_tokens, 1), 1 + num_accepted / num_drafts
 
 
 class StatsRecorder:
@@ -81,6 +101,7 @@ class StatsRecorder:
         self._window_generation = 0
         self._window_queries = 0
         self._window_hits = 0
+        self._window_spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens
         self._listeners: list[StatsListener] = []
 
     def add_listener(self, listener: StatsListener) -> None:
@@ -105,6 +126,14 @@ class StatsRecorder:
             t.prefix_cache_hits += scheduler_stats.prefix_cache_hits
             self._window_queries += scheduler_stats.prefix_cache_queries
             self._window_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.spec_num_drafts:
+                t.spec_num_drafts += scheduler_stats.spec_num_drafts
+                t.spec_num_draft_tokens += scheduler_stats.spec_num_draft_tokens
+                t.spec_num_accepted_tokens += scheduler_stats.spec_num_accepted_tokens
+                window = self._window_spec
+                window[0] += scheduler_stats.spec_num_drafts
+                window[1] += scheduler_stats.spec_num_draft_tokens
+                window[2] += scheduler_stats.spec_num_accepted_tokens
         if iteration_stats is not None:
             t.prompt_tokens += iteration_stats.num_prompt_tokens
             t.generation_tokens += iteration_stats.num_generation_tokens
@@ -144,8 +173,15 @@ class StatsRecorder:
                 f"waiting {t.num_waiting} | KV cache {t.kv_cache_usage:.1%} | prefix cache hit "
                 f"rate {hit_rate:.1%} | preemptions {t.preemptions}"
             )
+            if self._window_spec[0]:
+                acceptance, mean_length = spec_decode_rates(*self._window_spec)
+                line += (
+                    f" | spec decode: acceptance rate {acceptance:.1%}, mean accepted length "
+                    f"{mean_length:.2f}"
+                )
             logger.info(line)
         self._window_start = now
         self._window_prompt = self._window_generation = 0
         self._window_queries = self._window_hits = 0
+        self._window_spec = [0, 0, 0]
         return line

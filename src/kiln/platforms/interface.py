@@ -3,8 +3,8 @@
 A platform is a class of classmethods (never instantiated). The core reads its identity and
 capabilities as data, asks it about devices and memory, lets it adjust the config once through
 ``check_and_update_config``, and instantiates the classes it names by dotted path (worker, model
-runner, scheduler, attention backend, communicator, graph wrapper), resolved lazily so importing a
-platform module costs nothing.
+runner, scheduler, attention backend, communicator, graph wrapper, speculative-decoding proposer
+and rejection sampler), resolved lazily so importing a platform module costs nothing.
 
 Versioning: ``api_version`` is ``"MAJOR.MINOR"``. A platform built against a different MAJOR than
 ``PLATFORM_API_VERSION`` is refused at load with both versions in the message; MINOR additions are
@@ -175,8 +175,8 @@ class Platform:
         for name, spec in CLASS_FIELDS.items():
             if getattr(config.device, name) == AUTO:
                 factory = getattr(cls, spec.factory)
-                # get_attn_backend_cls alone depends on the config (batch-invariant mode...).
-                args = (config,) if spec.factory == "get_attn_backend_cls" else ()
+                # Some defaults depend on the config (batch-invariant mode, speculative method).
+                args = (config,) if spec.takes_config else ()
                 changes[f"device__{name}"] = factory(*args)
         if config.model.dtype == "auto":
             changes["model__dtype"] = cls.supported_dtypes[0]
@@ -219,6 +219,16 @@ class Platform:
     @classmethod
     def get_graph_wrapper_cls(cls) -> str:
         return "kiln.worker.graph.EagerGraphWrapper"
+
+    @classmethod
+    def get_proposer_cls(cls, config: KilnConfig) -> str:
+        """The speculative-decoding proposer for ``config.speculative.method`` (named even when
+        speculation is off, so ``kiln plugins`` shows and checks it)."""
+        return "kiln.spec_decode.ngram.NgramProposer"
+
+    @classmethod
+    def get_rejection_sampler_cls(cls) -> str:
+        return "kiln.spec_decode.rejection_sampler.RejectionSampler"
 
 
 def api_major(version: str) -> int:

@@ -36,6 +36,8 @@ class NamedClass:
     validator: str | None = None
     """Dotted path of the core's own check, used instead of ``check_implements`` (raises
     ``TypeError`` naming what is wrong); None: ``check_implements`` against ``interface``."""
+    takes_config: bool = False
+    """Whether ``factory`` takes the config (its default depends on other settings)."""
 
 
 CLASS_FIELDS: dict[str, NamedClass] = {
@@ -48,11 +50,18 @@ CLASS_FIELDS: dict[str, NamedClass] = {
         "kiln.model_executor.layers.attention.backend.AttentionBackend",
         "get_attn_backend_cls",
         validator="kiln.model_executor.layers.attention.backend.validate_attention_backend",
+        takes_config=True,
     ),
     "communicator_cls": NamedClass(
         "kiln.distributed.communicator.Communicator", "get_communicator_cls"
     ),
     "graph_wrapper_cls": NamedClass("kiln.worker.graph.GraphWrapper", "get_graph_wrapper_cls"),
+    "proposer_cls": NamedClass(
+        "kiln.spec_decode.interface.ProposerBase", "get_proposer_cls", takes_config=True
+    ),
+    "rejection_sampler_cls": NamedClass(
+        "kiln.spec_decode.interface.RejectionSamplerBase", "get_rejection_sampler_cls"
+    ),
 }
 """The ``DeviceConfig`` fields a platform fills with dotted paths, in the order the report shows
 them: the one table of them (the platform's default factories, the config's check that none is

@@ -105,24 +105,31 @@ class Sampler(torch.nn.Module):
             greedy = logits.argmax(dim=-1)  # [B]
             if metadata.all_greedy:
                 return greedy
-        is_greedy = metadata.temperature < SAMPLING_EPS  # [B]
-        # Greedy rows divide by 1: their random draw is thrown away, but must not be inf/nan.
-        temperature = torch.where(is_greedy, 1.0, metadata.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        top_k = None if metadata.no_top_k else metadata.top_k
-        top_p = None if metadata.no_top_p else metadata.top_p
-        if top_p is not None and top_k is not None and metadata.all_random_top_k:
-            logits = apply_top_k_top_p_partial(logits, top_k, top_p, metadata.max_top_k)
-        elif top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        elif top_k is not None:
-            logits = apply_top_k_only(logits, top_k, metadata.max_top_k)
-        if not metadata.no_min_p:
-            logits = apply_min_p(logits, metadata.min_p)
-        random = random_sample(logits.softmax(dim=-1), metadata.generators)  # [B]
+        random = random_sample(compute_probs(logits, metadata), metadata.generators)  # [B]
         if greedy is None:
             return random
-        return torch.where(is_greedy, greedy, random)
+        return torch.where(metadata.temperature < SAMPLING_EPS, greedy, random)
+
+
+def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Step 4 up to the draw: the distribution each random row samples from. [B, V] processed
+    logits -> new [B, V] probabilities (temperature, top-k, top-p, min-p, softmax). Greedy rows
+    get their temperature-1 distribution (their draw is thrown away)."""
+    is_greedy = metadata.temperature < SAMPLING_EPS  # [B]
+    # Greedy rows divide by 1: their random draw is thrown away, but must not be inf/nan.
+    temperature = torch.where(is_greedy, 1.0, metadata.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = None if metadata.no_top_k else metadata.top_k
+    top_p = None if metadata.no_top_p else metadata.top_p
+    if top_p is not None and top_k is not None and metadata.all_random_top_k:
+        logits = apply_top_k_top_p_partial(logits, top_k, top_p, metadata.max_top_k)
+    elif top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    elif top_k is not None:
+        logits = apply_top_k_only(logits, top_k, metadata.max_top_k)
+    if not metadata.no_min_p:
+        logits = apply_min_p(logits, metadata.min_p)
+    return logits.softmax(dim=-1)
 
 
 def apply_logit_bias(

@@ -79,6 +79,8 @@ class Request:
     made when the grammar is ready and kept through preemption (the output tokens stay)."""
     grammar_wait_start: float = 0.0
     """``time.monotonic()`` when the request started waiting for its grammar."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the drafts proposed for its next step (verified when scheduled)."""
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

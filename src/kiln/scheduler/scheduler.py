@@ -30,6 +30,14 @@ the others are scheduled meanwhile. For the requests that sample this step it fi
 row each (``SchedulerOutput.grammar_bitmask``); ``update_from_output`` advances each request's
 matcher by its new tokens. A preempted request keeps its matcher: its output tokens stay.
 
+Speculative decoding (``kiln.spec_decode``): the runner proposes drafts for a request in the step
+that samples its token (``ModelRunnerOutput.spec_token_ids``); the next ``schedule()`` gives that
+request ``1 + k`` tokens, its last token and ``k`` drafts (``SchedulerOutput.
+scheduled_spec_decode_tokens``), with KV slots and budget for all of them. ``k`` is cut so that
+the budget, the context and ``max_tokens`` hold even if every draft is accepted. After the step
+``num_computed_tokens`` takes back the rejected drafts (their slots are written over later; only
+full blocks of accepted tokens are cached). A request with a grammar never speculates.
+
 A request that can never fit (``num_prompt_tokens + 1 > max_model_len``, where ``max_model_len`` is
 capped by the whole cache's capacity) is not queued: it finishes as FINISHED_IGNORED (finish reason
 "length", no tokens) in the next ``update_from_output``. The engine core therefore keeps stepping,
@@ -55,6 +63,7 @@ from kiln.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -117,6 +126,7 @@ class Scheduler(SchedulerInterface):
         self._seq = count()
         self._ignored: dict[str, EngineCoreOutput] = {}
         self._num_preemptions = 0
+        self._spec_stats = [0, 0, 0]  # drafts, draft tokens, accepted tokens since make_stats()
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_grammar: list[Request] = []
         """Requests whose grammar is compiling, in arrival order."""
@@ -213,12 +223,18 @@ class Scheduler(SchedulerInterface):
         cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         num_preempted = 0
+        spec_tokens: dict[str, list[int]] = {}
 
         running = self.running
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts:
+                drafts = drafts[: self._max_num_drafts(request, token_budget)]
+                num_new_tokens += len(drafts)
+            num_new_tokens = min(num_new_tokens, token_budget)
             assert num_new_tokens > 0, request
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
                 victim = running.pop()
@@ -232,6 +248,8 @@ class Scheduler(SchedulerInterface):
             cached_reqs.new_block_ids.append(new_block_ids)
             cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -294,6 +312,7 @@ class Scheduler(SchedulerInterface):
             finished_req_ids=finished_req_ids,
             structured_output_request_ids=grammar_req_ids,
             grammar_bitmask=grammar_bitmask,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     def _running_loras(self) -> set[int]:
@@ -332,6 +351,9 @@ class Scheduler(SchedulerInterface):
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._take_back_rejected(request, len(drafts), len(new_token_ids))
             # A prefill recomputed after a preemption computes prompt logprobs again: sent once.
             prompt = prompt_logprobs.get(request_id) if request.num_output_tokens == 0 else None
             is_stopped = False
@@ -344,11 +366,16 @@ class Scheduler(SchedulerInterface):
                 if is_stopped := self._check_stop(request):
                     new_token_ids = new_token_ids[: i + 1]
                     break
+            new_logprobs = logprobs.get(request_id)
+            if new_logprobs is not None and len(new_logprobs.logprobs) > len(new_token_ids):
+                new_logprobs = _first_rows(new_logprobs, len(new_token_ids))
+            if not is_stopped and request.matcher is None and model_runner_output.spec_token_ids:
+                request.spec_token_ids = model_runner_output.spec_token_ids[index]
             outputs.append(
                 EngineCoreOutput(
                     request_id,
                     new_token_ids,
-                    new_logprobs=logprobs.get(request_id),
+                    new_logprobs=new_logprobs,
                     new_prompt_logprobs=prompt,
                     finish_reason=request.get_finished_reason() if is_stopped else None,
                     stop_reason=request.stop_reason,
@@ -368,6 +395,7 @@ class Scheduler(SchedulerInterface):
         """Current counts, plus prefix-cache and preemption numbers since the last call."""
         prefix_stats = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        (num_drafts, num_draft_tokens, num_accepted), self._spec_stats = self._spec_stats, [0, 0, 0]
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -375,6 +403,9 @@ class Scheduler(SchedulerInterface):
             prefix_cache_queries=prefix_stats.num_queries,
             prefix_cache_hits=prefix_stats.num_hits,
             num_preemptions=num_preemptions,
+            spec_num_drafts=num_drafts,
+            spec_num_draft_tokens=num_draft_tokens,
+            spec_num_accepted_tokens=num_accepted,
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -464,9 +495,29 @@ class Scheduler(SchedulerInterface):
             return True
         return False
 
+    def _max_num_drafts(self, request: Request, token_budget: int) -> int:
+        """The most drafts a decoding request may verify now: all of them and the bonus token
+        must fit the budget, the context and ``max_tokens``."""
+        limit = min(token_budget, self.max_model_len - request.num_tokens) - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return max(limit, 0)
+
+    def _take_back_rejected(self, request: Request, num_drafts: int, num_new_tokens: int) -> None:
+        """After verifying ``num_drafts`` drafts that yielded ``num_new_tokens`` tokens (the
+        accepted drafts and one more): uncount the rejected drafts' computed slots."""
+        num_accepted = num_new_tokens - 1
+        request.num_computed_tokens -= num_drafts - num_accepted
+        stats = self._spec_stats
+        stats[0] += 1
+        stats[1] += num_drafts
+        stats[2] += num_accepted
+
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it again, to recompute from scratch."""
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -485,3 +536,12 @@ class Scheduler(SchedulerInterface):
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)
+
+
+def _first_rows(lists: LogprobsLists, num_rows: int) -> LogprobsLists:
+    """The logprobs of the first ``num_rows`` tokens (a stop cut the step's tokens there)."""
+    return LogprobsLists(
+        lists.logprob_token_ids[:num_rows],
+        lists.logprobs[:num_rows],
+        lists.sampled_token_ranks[:num_rows],
+    )

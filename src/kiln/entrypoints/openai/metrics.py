@@ -8,7 +8,11 @@ labels ``model_name`` (the served name) and ``engine`` ("0"), as vLLM's.
 Exported: ``kiln:num_requests_running``, ``kiln:num_requests_waiting``,
 ``kiln:kv_cache_usage_perc`` (0..1), ``kiln:prompt_tokens_total``, ``kiln:generation_tokens_total``,
 ``kiln:num_preemptions_total``, ``kiln:prefix_cache_queries_total``,
-``kiln:prefix_cache_hits_total``, ``kiln:request_success_total{finished_reason}``, and the
+``kiln:prefix_cache_hits_total``, ``kiln:request_success_total{finished_reason}``,
+``kiln:spec_decode_num_drafts_total``, ``kiln:spec_decode_num_draft_tokens_total``,
+``kiln:spec_decode_num_accepted_tokens_total`` (vLLM's speculative-decoding counters) with the
+gauges ``kiln:spec_decode_acceptance_rate`` and ``kiln:spec_decode_mean_accepted_length`` made
+from them, and the
 histograms ``kiln:time_to_first_token_seconds``, ``kiln:inter_token_latency_seconds``,
 ``kiln:e2e_request_latency_seconds``, ``kiln:request_prompt_tokens``,
 ``kiln:request_generation_tokens``.
@@ -27,7 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kiln.engine.stats import IterationStats, StatsRecorder, StatsTotals
+from kiln.engine.stats import IterationStats, StatsRecorder, StatsTotals, spec_decode_rates
 from kiln.messages import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -94,6 +98,34 @@ class _TotalsCollector(Collector):
             "kiln:prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
             t.prefix_cache_hits,
+        )
+        yield self._counter(
+            "kiln:spec_decode_num_drafts",
+            "Speculative decoding: request-steps that verified drafts.",
+            t.spec_num_drafts,
+        )
+        yield self._counter(
+            "kiln:spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            t.spec_num_draft_tokens,
+        )
+        yield self._counter(
+            "kiln:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            t.spec_num_accepted_tokens,
+        )
+        acceptance, mean_length = spec_decode_rates(
+            t.spec_num_drafts, t.spec_num_draft_tokens, t.spec_num_accepted_tokens
+        )
+        yield self._gauge(
+            "kiln:spec_decode_acceptance_rate",
+            "Speculative decoding: accepted / verified draft tokens since start (0..1).",
+            acceptance,
+        )
+        yield self._gauge(
+            "kiln:spec_decode_mean_accepted_length",
+            "Speculative decoding: tokens per verifying step since start (accepted drafts + 1).",
+            mean_length,
         )
         success = CounterMetricFamily(
             "kiln:request_success",

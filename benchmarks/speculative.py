@@ -1,0 +1,171 @@
+"""Speculative decoding at concurrency 1: ngram speculation against none, in one run.
+
+Two workloads on the default model (greedy, chat template):
+- ``repetitive``: "repeat this code with one change" over a few functions, where the answer
+  copies most of the prompt (what prompt lookup is for);
+- ``open``: open questions, whose answers copy little (the cost of looking up for nothing).
+
+Each prompt is generated alone (concurrency 1), by one engine without speculation and one with
+``--speculative-config`` in the same process, alternating prompt by prompt so that load from other
+processes hits both alike; each (engine, workload) is run ``--repeats`` times and the best is
+reported. Prints output tokens per second of each, their ratio, the acceptance rate and mean
+accepted length, and how many answers are identical (greedy is token for token the same up to
+numerics: a verification step computes several tokens per request, which can round bfloat16
+differently from one).
+
+    .venv/bin/python benchmarks/speculative.py [--num-speculative-tokens 4]
+        [--prompt-lookup-max 4] [--max-tokens 192] [--repeats 2] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from kiln import LLM, SamplingParams
+from kiln.engine.stats import spec_decode_rates
+
+FUNCTIONS = [
+    '''def parse_header(line):
+    """Split a 'Key: value' header line into a (key, value) pair."""
+    key, _, value = line.partition(":")
+    key = key.strip().lower()
+    value = value.strip()
+    if not key:
+        raise ValueError("empty header name")
+    return key, value''',
+    '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = sum(values[:window])
+    result.append(total / window)
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        result.append(total / window)
+    return result''',
+    """class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, item):
+        self.counts[item] = self.counts.get(item, 0) + 1
+
+    def most_common(self):
+        return max(self.counts, key=self.counts.get)""",
+]
+CHANGES = ["rename the function's first argument to `text`", "add type hints", "use a for loop"]
+OPEN = [
+    "Why is the sky blue? Explain in a paragraph.",
+    "Give three tips for learning a new language.",
+    "Describe a busy market on a Saturday morning.",
+]
+
+
+def workloads() -> dict[str, list[list[dict[str, str]]]]:
+    repetitive = [
+        [{"role": "user", "content": f"Repeat this code with one change: {change}.\n\n{code}"}]
+        for code, change in zip(FUNCTIONS, CHANGES, strict=True)
+    ]
+    return {"repetitive": repetitive, "open": [[{"role": "user", "content": q}] for q in OPEN]}
+
+
+def build(args: argparse.Namespace, speculative: dict | None) -> LLM:
+    llm = LLM(
+        dtype=args.dtype,
+        max_num_seqs=4,
+        kv_cache_memory=0.5,
+        speculative_config=speculative,
+    )
+    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    return llm
+
+
+def run_one(
+    llm: LLM, conversation: list[dict[str, str]], max_tokens: int
+) -> tuple[int, float, str]:
+    """Tokens, seconds and text of one request alone."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    output = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0]
+    return len(output.token_ids), time.perf_counter() - start, output.text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    engines = {"none": build(args, None), "ngram": build(args, speculative)}
+    results = {}
+    for name, conversations in workloads().items():
+        best = {engine: 0.0 for engine in engines}
+        texts: dict[str, list[str]] = {engine: [] for engine in engines}
+        before = engines["ngram"].llm_engine.stats.totals
+        counts_before = (
+            before.spec_num_drafts,
+            before.spec_num_draft_tokens,
+            before.spec_num_accepted_tokens,
+        )
+        for _ in range(args.repeats):
+            tokens = {engine: 0 for engine in engines}
+            seconds = {engine: 0.0 for engine in engines}
+            texts = {engine: [] for engine in engines}
+            for conversation in conversations:
+                for engine, llm in engines.items():
+                    n, s, text = run_one(llm, conversation, args.max_tokens)
+                    tokens[engine] += n
+                    seconds[engine] += s
+                    texts[engine].append(text)
+            for engine in engines:
+                best[engine] = max(best[engine], tokens[engine] / seconds[engine])
+        after = engines["ngram"].llm_engine.stats.totals
+        counts = (
+            after.spec_num_drafts - counts_before[0],
+            after.spec_num_draft_tokens - counts_before[1],
+            after.spec_num_accepted_tokens - counts_before[2],
+        )
+        acceptance, mean_length = spec_decode_rates(*counts)
+        results[name] = {
+            "none_tok_s": round(best["none"], 1),
+            "ngram_tok_s": round(best["ngram"], 1),
+            "speedup": round(best["ngram"] / best["none"], 2),
+            "acceptance_rate": round(acceptance, 3),
+            "mean_accepted_length": round(mean_length, 2),
+            "identical_answers": sum(
+                a == b for a, b in zip(texts["none"], texts["ngram"], strict=True)
+            ),
+            "answers": len(conversations),
+        }
+    if args.json:
+        print(json.dumps({"config": speculative, "results": results}, indent=2))
+        return
+    print(f"speculative config: {json.dumps(speculative)}, max_tokens {args.max_tokens}")
+    print(
+        "| workload | none tok/s | ngram tok/s | speedup | acceptance | mean accepted length "
+        "| identical |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['none_tok_s']} | {r['ngram_tok_s']} | {r['speedup']}x | "
+            f"{r['acceptance_rate']:.1%} | {r['mean_accepted_length']} | "
+            f"{r['identical_answers']}/{r['answers']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

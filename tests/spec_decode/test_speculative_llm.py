@@ -1,0 +1,151 @@
+"""Speculative decoding end to end (offline ``LLM``): greedy output token for token as without
+speculation, on the real default model in float32 and on a tiny random model; batches that mix
+speculating and plain requests (a grammar, a prompt with nothing to look up); stop strings,
+``max_tokens`` and logprobs cut inside a verified run; preemption while speculating; and the
+acceptance counters the metrics read."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.sampling_params import StructuredOutputsParams
+from kiln.testing.models import save_tiny_model
+from kiln.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+CODE = "def add(a, b):\n    total = a + b\n    print(total)\n    return total\n"
+PROMPTS = [
+    f"{CODE}\n# The same function again, unchanged:\n",
+    "Copy this list: red, green, blue, yellow, purple, orange. Copy: red, green, blue,",
+    "The capital of France is",  # little to look up: few or no drafts
+    f"{CODE}\n# Now with the name changed to plus:\ndef plus(a, b):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(gguf_path: str) -> LLM:
+    # The settings of the session's llm_f32, plus speculation.
+    return LLM(
+        gguf_path,
+        dtype="float32",
+        kv_cache_memory=0.25,
+        max_model_len=1024,
+        max_num_seqs=8,
+        speculative_config=NGRAM,
+    )
+
+
+def _texts(llm: LLM, prompts: list[str], params) -> list[tuple[list[int], str, str | None]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs
+    ]
+
+
+def _spec_totals(llm: LLM) -> tuple[int, int, int]:
+    t = llm.llm_engine.stats.totals
+    return t.spec_num_drafts, t.spec_num_draft_tokens, t.spec_num_accepted_tokens
+
+
+def test_greedy_output_is_the_same_token_for_token(spec_llm: LLM, llm_f32: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    before = _spec_totals(spec_llm)
+    spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    plain = llm_f32.generate(PROMPTS, params, use_tqdm=False)
+    for s, p in zip(spec, plain, strict=True):
+        assert s.outputs[0].token_ids == p.outputs[0].token_ids, s.prompt
+        assert s.outputs[0].text == p.outputs[0].text
+        # One logprobs entry per token, each for that token, as without speculation.
+        assert len(s.outputs[0].logprobs) == len(p.outputs[0].logprobs)
+        for token_id, s_pos, p_pos in zip(
+            s.outputs[0].token_ids, s.outputs[0].logprobs, p.outputs[0].logprobs, strict=True
+        ):
+            assert s_pos.keys() == p_pos.keys()
+            assert s_pos[token_id].logprob == pytest.approx(p_pos[token_id].logprob, abs=1e-3)
+    drafts, draft_tokens, accepted = (
+        a - b for a, b in zip(_spec_totals(spec_llm), before, strict=True)
+    )
+    # Drafts were proposed, some accepted and some rejected.
+    assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
+
+
+def _stop_word(llm: LLM, prompt: str) -> str:
+    """A word from the middle of the prompt's greedy answer (a stop string it will meet)."""
+    text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    words = [w for w in text[0].outputs[0].text.split() if len(w) >= 3]
+    return words[len(words) // 2]
+
+
+def test_stop_strings_and_max_tokens_cut_inside_a_run(spec_llm: LLM, llm_f32: LLM) -> None:
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop=[_stop_word(llm_f32, PROMPTS[0])]),
+        SamplingParams(temperature=0, max_tokens=7, logprobs=0),  # cut mid-run
+        SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            stop=[_stop_word(llm_f32, PROMPTS[3])],
+            include_stop_str_in_output=True,
+        ),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[3]]
+    spec = _texts(spec_llm, prompts, params)
+    plain = _texts(llm_f32, prompts, params)
+    # Token ids too: those after the stop string's token in the same step are dropped.
+    assert spec == plain
+    assert [reason for _, _, reason in spec] == ["stop", "length", "stop"]
+    assert len(spec[1][0]) == 7
+
+
+def test_mixed_batch_with_a_grammar_and_plain_requests(spec_llm: LLM, llm_f32: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    regex = SamplingParams(
+        temperature=0,
+        max_tokens=32,
+        structured_outputs=StructuredOutputsParams(regex=r"def [a-z]+\(a, b\):"),
+    )
+    params = [greedy, regex, greedy, greedy]
+    assert _texts(spec_llm, PROMPTS, params) == _texts(llm_f32, PROMPTS, params)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny_spec"),
+        tokenizer=load_tokenizer(gguf_path).hf_tokenizer,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        # Small tied weights: the model mostly repeats its last token, then moves on, so drafts
+        # are proposed and mostly, not always, accepted.
+        initializer_range=0.05,
+        tie_word_embeddings=True,
+    )
+
+
+TINY_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads of 16, f32, 16 slots
+
+
+def test_tiny_model_greedy_and_preemption_while_speculating(tiny_folder: str) -> None:
+    common = dict(dtype="float32", max_model_len=256, max_num_seqs=8)
+    plain = LLM(tiny_folder, kv_cache_memory=0.05, **common)
+    # 32 blocks: 8 requests that each grow to 7 blocks cannot all fit, so some are preempted
+    # (their drafts dropped, recomputed) while the others speculate.
+    small = LLM(
+        tiny_folder,
+        kv_cache_memory=32 * TINY_BYTES_PER_BLOCK / 2**30,
+        speculative_config=NGRAM | {"prompt_lookup_min": 1},
+        **common,
+    )
+    tokenizer = plain.get_tokenizer()
+    prompts = [tokenizer.encode(f"Item {i}: {CODE}")[:40] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert small.llm_engine.stats.totals.preemptions > 0
+    drafts, draft_tokens, accepted = _spec_totals(small)
+    assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
