@@ -22,8 +22,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
+from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS  # noqa: E402
 from serve_utils import BASE_ARGS, KilnServer, is_running  # noqa: E402
-from test_pipeline_parallel import GREEDY, TOKEN_PROMPTS, greedy_tokens, tiny_llama  # noqa: E402
 
 ray = pytest.importorskip("ray")  # the optional extra: pip install 'kiln[ray]'
 
@@ -102,13 +102,6 @@ def ray_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, gguf_path):
-    """A small random Llama and its TP=1 greedy tokens (the reference)."""
-    folder = tiny_llama(tmp_path_factory.mktemp("ray") / "llama")
-    return folder, greedy_tokens(folder, TOKEN_PROMPTS, tokenizer=gguf_path)
-
-
 def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, list[str], set]:
     """Greedy tokens on the Ray executor, the node of each rank, and the cluster's live nodes."""
     from kiln import LLM
@@ -131,8 +124,10 @@ def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, li
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_tp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(ray_cluster, tiny, gguf_path):
-    folder, tp1 = tiny
+def test_tp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(
+    ray_cluster, tiny_llama, gguf_path
+):
+    folder, tp1 = tiny_llama
     tokens, node_ids, alive = _on_ray(
         ray_cluster, folder, TOKEN_PROMPTS, tokenizer=gguf_path, tensor_parallel_size=2
     )
@@ -140,8 +135,10 @@ def test_tp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(ray_cluster, ti
     assert len(set(node_ids)) == 2 and set(node_ids) <= alive  # one rank on each node
 
 
-def test_pp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(ray_cluster, tiny, gguf_path):
-    folder, tp1 = tiny
+def test_pp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(
+    ray_cluster, tiny_llama, gguf_path
+):
+    folder, tp1 = tiny_llama
     tokens, node_ids, _ = _on_ray(
         ray_cluster, folder, TOKEN_PROMPTS, tokenizer=gguf_path, pipeline_parallel_size=2
     )
@@ -149,18 +146,18 @@ def test_pp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(ray_cluster, ti
     assert len(set(node_ids)) == 2
 
 
-def test_tp2_on_two_ray_nodes_equals_tp1_on_the_default_model(ray_cluster, gguf_path):
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    tp1 = greedy_tokens(gguf_path, prompts, quantization="none")
-    tokens, node_ids, _ = _on_ray(ray_cluster, gguf_path, prompts, tensor_parallel_size=2)
-    assert tokens == tp1
+def test_tp2_on_two_ray_nodes_equals_tp1_on_the_default_model(
+    ray_cluster, gguf_path, default_model_tokens
+):
+    tokens, node_ids, _ = _on_ray(ray_cluster, gguf_path, TEXT_PROMPTS, tensor_parallel_size=2)
+    assert tokens == default_model_tokens
     assert len(set(node_ids)) == 2
 
 
 def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(
-    ray_cluster, tiny, gguf_path
+    ray_cluster, tiny_llama, gguf_path
 ):
-    folder, _ = tiny
+    folder, _ = tiny_llama
     before = set(_pids_with(ACTOR_TITLE))
     args = [
         folder,

@@ -1,0 +1,22 @@
+"""Helpers of the parallel tests: the prompts and the greedy float32 generation they compare."""
+
+from __future__ import annotations
+
+from kiln import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)
+TOKEN_PROMPTS = [
+    {"prompt_token_ids": [1, 5, 9, 200, 17, 3]},
+    {"prompt_token_ids": [3, 256, 7]},  # 256: the last row of the odd vocabulary
+    {"prompt_token_ids": [(11 * i) % 257 for i in range(1, 40)]},
+]
+TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def greedy_tokens(model: str, prompts: list, **kwargs) -> list[list[int]]:
+    """Greedy float32 token ids of ``prompts`` from an ``LLM`` built with ``kwargs``."""
+    llm = LLM(model, dtype="float32", kv_cache_memory=0.02, max_model_len=256, **kwargs)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
