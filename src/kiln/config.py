@@ -422,6 +422,11 @@ class StructuredOutputsConfig:
     )
     """A request whose grammar has not compiled after this long finishes with finish reason
     "error" (compiles run in a thread pool, never on the engine loop)."""
+    enable_in_reasoning: bool = field(
+        default=False, metadata={"set_by": "structured_outputs_config"}
+    )
+    """With a reasoning parser, constrain the thinking too: the grammar applies from the first
+    token instead of after the thinking (vLLM's option of that name)."""
     reasoning_parser: str | None = field(default=None, metadata={"metavar": "NAME"})
     """The model thinks before it answers, in this parser's format: qwen3 (<think>...</think>) or
     a name a plugin registered. The chat route splits the thinking into reasoning_content, and a

@@ -36,7 +36,12 @@ def tokenizer(gguf_path):
 
 
 def make_scheduler(
-    tokenizer, backend="auto", max_compile_seconds=30.0, num_blocks=64, reasoning_parser=None
+    tokenizer,
+    backend="auto",
+    max_compile_seconds=30.0,
+    num_blocks=64,
+    reasoning_parser=None,
+    enable_in_reasoning=False,
 ):
     config = KilnConfig(
         model=ModelConfig(max_model_len=256),
@@ -46,6 +51,7 @@ def make_scheduler(
             backend=backend,
             max_compile_seconds=max_compile_seconds,
             reasoning_parser=reasoning_parser,
+            enable_in_reasoning=enable_in_reasoning,
         ),
     )
     scheduler = Scheduler(config, num_blocks)
@@ -212,9 +218,15 @@ def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(tokenizer
     assert re.fullmatch(pattern, text.removeprefix("<think>Let me see.</think>")), text
 
 
-def test_a_prompt_that_closed_the_thinking_starts_the_grammar_at_once(tokenizer):
-    scheduler = make_scheduler(tokenizer, reasoning_parser="qwen3")
-    prompt = tokenizer.encode("Answer: <think>\n\n</think>\n\n", add_special_tokens=False)
+@pytest.mark.parametrize("prompt_text", ["Answer: <think>\n\n</think>\n\n", "Answer: "])
+def test_a_prompt_that_closed_the_thinking_or_enable_in_reasoning_starts_the_grammar_at_once(
+    tokenizer, prompt_text
+):
+    # Without tags in the prompt, only enable_in_reasoning applies the grammar from the start.
+    scheduler = make_scheduler(
+        tokenizer, reasoning_parser="qwen3", enable_in_reasoning="<think>" not in prompt_text
+    )
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
     scheduler.add_request(
         make_request(tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]), prompt=prompt)
     )

@@ -10,7 +10,8 @@ Contract (vLLM v1's ``StructuredOutputManager``):
   done (each child of an ``n > 1`` request gets its own). With a reasoning parser
   (``structured_outputs.reasoning_parser``) the matcher lets every token through and does not
   advance until the parser sees the thinking end, in the prompt or the output (vLLM's rule: the
-  token that ends it is not fed to the grammar; the next one is its first).
+  token that ends it is not fed to the grammar; the next one is its first), unless
+  ``structured_outputs.enable_in_reasoning``.
 - ``fill_bitmask(matchers)`` fills one row per matcher, for the requests that sample this step;
   the rows travel to the runner in ``SchedulerOutput.grammar_bitmask``.
 
@@ -83,7 +84,10 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, tuple], Future[Grammar]] = OrderedDict()
         self._executor: ThreadPoolExecutor | None = None
         name = config.structured_outputs.reasoning_parser
-        self._reasoning_parser = resolve_reasoning_parser(name) if name is not None else None
+        reasoning_parser = resolve_reasoning_parser(name) if name is not None else None
+        if config.structured_outputs.enable_in_reasoning:
+            reasoning_parser = None  # the grammar applies from the first token
+        self._reasoning_parser = reasoning_parser
 
     @property
     def vocab_size(self) -> int:

@@ -22,6 +22,9 @@ from tool_examples import FEW_SHOT, TEMPLATE, WEATHER
 def tool_server(model_path: str) -> Iterator[KilnServer]:
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     flags += ["--reasoning-parser", "qwen3", "--chat-template", str(TEMPLATE)]
+    # The default model never thinks on its own: the tests force its thinking (and answers) with
+    # structured outputs, which must then apply from the first token.
+    flags += ["--structured-outputs-config", '{"enable_in_reasoning": true}']
     kiln = KilnServer([*BASE_ARGS, "--api-key", API_KEY, *flags])
     yield kiln
     kiln.stop()
@@ -156,6 +159,37 @@ def test_tool_round_trip_through_the_template(tool_chat: Chat, tool_server: Kiln
     ).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert "<tool_response>\n22 C and sunny\n</tool_response>" in text
+
+
+def test_full_tool_round_trip_through_the_model(tool_chat: Chat) -> None:
+    # 1. The model calls the tool.
+    first = _ask(tool_chat)
+    (call,) = first.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assistant = first.choices[0].message.model_dump(exclude_none=True)
+    reports = ["25 C and sunny", "-5 C and snowing"]
+
+    def final_answer(report: str) -> Any:
+        # 2. The tool runs here; 3. its result goes back under the call's id, and the model
+        # answers, held to one of the two reports so that its choice shows what it read.
+        result = {"role": "tool", "tool_call_id": call.id, "content": report}
+        question = {"role": "user", "content": "What did the weather tool answer?"}
+        return tool_chat(
+            messages=[*FEW_SHOT, assistant, result, question],
+            tools=[WEATHER],
+            tool_choice="none",
+            temperature=0,
+            max_tokens=12,
+            extra_body={"structured_outputs": {"choice": reports}},
+        )
+
+    for report in reports:
+        answer = final_answer(report)
+        (choice,) = answer.choices
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        # The answer is what the tool returned: the template gave the model the tool turn.
+        assert choice.message.content == report
+        assert answer.usage.prompt_tokens > first.usage.prompt_tokens
 
 
 def test_reasoning_parser_leaves_an_answer_without_thinking_as_content(
