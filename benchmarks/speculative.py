@@ -15,6 +15,7 @@ differently from one).
 
     .venv/bin/python benchmarks/speculative.py [--num-speculative-tokens 4]
         [--prompt-lookup-max 4] [--max-tokens 192] [--repeats 2] [--dtype auto]
+        [--quantization none]
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def workloads() -> dict[str, list[list[dict[str, str]]]]:
 def build(args: argparse.Namespace, speculative: dict | None) -> LLM:
     llm = LLM(
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=4,
         kv_cache_memory=0.5,
         speculative_config=speculative,
@@ -101,6 +103,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--quantization", default=None, help="model.quantization (none: dense weights)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     speculative = {
