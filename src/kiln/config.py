@@ -12,7 +12,8 @@ The engine flags (``kiln serve``, ``LLM``'s keywords) are made from these fields
 says only what differs from that: ``choices``, ``aliases`` (``-q``), ``metavar``, ``positional``,
 ``flag`` (another name), ``parse`` (a converter from the user's form, ``"40%"``, to
 ``{field: value}`` of the section) and ``set_by`` (no flag of its own: the named flag's ``parse``
-sets it). The class fields a platform fills (``kiln.plugins.interfaces.CLASS_FIELDS``) are not
+sets it), ``internal`` (no flag: Kiln sets it per process, e.g. a worker's rank). The class
+fields a platform fills (``kiln.plugins.interfaces.CLASS_FIELDS``) are not
 flags.
 
 This module knows nothing about platforms or plugins beyond the names of the fields a platform
@@ -262,10 +263,21 @@ class ParallelConfig:
     ray_address: str | None = None
     """The Ray cluster of the ray backend (its head's host:port, or "auto"); None: the
     ``RAY_ADDRESS`` environment variable, else a local cluster Kiln starts and stops."""
-    distributed_executor_backend: str = field(
-        default="uni", metadata={"choices": EXECUTOR_BACKENDS}
+    data_parallel_size: int = field(default=1, metadata={"aliases": ("-dp",)})
+    """Engine cores, each with its own copy of the model (its ranks), scheduler and KV cache,
+    behind one API server; each request goes to the engine with the fewest unfinished requests.
+    The cores (and the KV-cache memory) are split between them."""
+    distributed_executor_backend: str | None = field(
+        default=None, metadata={"choices": EXECUTOR_BACKENDS}
     )
-    """uni (in the engine core), mp (a process per rank) or ray (many machines)."""
+    """uni (the worker in the engine core), mp (a process per rank) or ray (many machines); None:
+    uni for one rank, mp for more."""
+    data_parallel_rank: int = field(default=0, metadata={"internal": True})
+    """This engine core's index among the ``data_parallel_size`` (set by the front end that starts
+    the engines; not a flag)."""
+    rank: int = field(default=0, metadata={"internal": True})
+    """This worker's rank among its engine's ``world_size`` ranks (set by the executor; not a
+    flag)."""
 
     @property
     def world_size(self) -> int:
@@ -293,10 +305,35 @@ class ParallelConfig:
             "parallelism are not combined yet)",
         )
         _check(
-            self.distributed_executor_backend in EXECUTOR_BACKENDS,
+            self.data_parallel_size >= 1,
+            "parallel.data_parallel_size",
+            self.data_parallel_size,
+            "an integer >= 1",
+        )
+        _check(
+            self.distributed_executor_backend is None
+            or self.distributed_executor_backend in EXECUTOR_BACKENDS,
             "parallel.distributed_executor_backend",
             self.distributed_executor_backend,
-            f"one of {list(EXECUTOR_BACKENDS)}",
+            f"None or one of {list(EXECUTOR_BACKENDS)}",
+        )
+        _check(
+            self.distributed_executor_backend != "uni" or self.world_size == 1,
+            "parallel.distributed_executor_backend",
+            self.distributed_executor_backend,
+            f"'mp' or 'ray' (or None) with {self.world_size} ranks: one process holds one rank",
+        )
+        _check(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            "parallel.data_parallel_rank",
+            self.data_parallel_rank,
+            f"0..{self.data_parallel_size - 1}",
+        )
+        _check(
+            0 <= self.rank < self.world_size,
+            "parallel.rank",
+            self.rank,
+            f"0..{self.world_size - 1}",
         )
 
 

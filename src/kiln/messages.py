@@ -96,6 +96,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     error: str | None = None
     """Set when the engine core failed; the front end raises EngineDeadError with it."""
+    engine_index: int = 0
+    """The engine core that sent these (``parallel.data_parallel_rank``)."""
 
 
 class EngineDeadError(RuntimeError):

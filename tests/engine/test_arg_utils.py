@@ -45,7 +45,9 @@ def _user_fields() -> list[tuple[str, type, dataclasses.Field]]:
         (f.metadata.get("flag", f.name), cls, f)
         for cls in SECTIONS.values()
         for f in dataclasses.fields(cls)
-        if not (cls is DeviceConfig and f.name in CLASS_FIELDS) and "set_by" not in f.metadata
+        if not (cls is DeviceConfig and f.name in CLASS_FIELDS)
+        and "set_by" not in f.metadata
+        and not f.metadata.get("internal")  # set by Kiln itself (a rank), never by a user
     ]
 
 

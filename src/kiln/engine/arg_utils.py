@@ -119,7 +119,9 @@ def _engine_flags() -> dict[str, EngineFlag]:
     for section, cls in SECTIONS.items():
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if (section == "device" and f.name in CLASS_FIELDS) or "set_by" in f.metadata:
+            if section == "device" and f.name in CLASS_FIELDS:
+                continue
+            if "set_by" in f.metadata or f.metadata.get("internal"):  # not a flag of its own
                 continue
             # The type a user gives: a converter's argument, else the field's own.
             parse = f.metadata.get("parse")

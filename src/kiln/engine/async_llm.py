@@ -1,5 +1,6 @@
 """``AsyncLLM``: the asyncio front end the API server uses; the engine core runs in its own
-process (``AsyncMPClient``).
+process, or ``parallel.data_parallel_size`` engine cores each in its own (``AsyncMPClient``
+routes the requests; ``stats.engines`` keeps each engine's statistics).
 
 ``generate()`` admits the request at once (refusals raise before it returns, so a server can
 answer an error status before its response starts) and returns an async iterator of
@@ -14,7 +15,8 @@ large step. If the engine core dies, every waiting ``generate()`` raises ``Engin
 the gauges read zero and ``wait_until_dead()`` returns.
 
 ``max_num_waiting`` counts the requests the scheduler reports waiting plus those sent since its
-last report that will not fit the free batch slots (``max_num_seqs`` less the running ones).
+last report that will not fit the free batch slots (``max_num_seqs`` per engine less the running
+ones).
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class AsyncLLM:
         self.client = client
         self.frontend = frontend
         self.model_name = frontend.model_name
-        self.stats = StatsRecorder(10.0 if log_stats else 0.0)
+        self.stats = StatsRecorder(
+            10.0 if log_stats else 0.0, num_engines=config.parallel.data_parallel_size
+        )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._num_core_requests: dict[str, int] = {}
         """Engine-core requests (``n`` each) of every admitted request."""
@@ -66,7 +70,7 @@ class AsyncLLM:
         self._background: set[asyncio.Task] = set()
         self._is_shut_down = False
         self._output_task = asyncio.ensure_future(self._run_output_handler())
-        self.num_kv_cache_tokens = client.ready.kv_cache_tokens if client.ready else 0
+        self.num_kv_cache_tokens = sum(ready.kv_cache_tokens for ready in client.readies)
 
     @classmethod
     async def create(
@@ -178,7 +182,8 @@ class AsyncLLM:
         totals = self.stats.totals
         num_sent = sum(self._num_core_requests.values())
         unreported = max(0, num_sent - totals.num_running - totals.num_waiting)
-        free_slots = max(0, self.config.scheduler.max_num_seqs - totals.num_running)
+        slots = self.config.scheduler.max_num_seqs * self.config.parallel.data_parallel_size
+        free_slots = max(0, slots - totals.num_running)
         return totals.num_waiting + max(0, unreported - free_slots)
 
     async def abort(self, request_id: str) -> None:
@@ -213,7 +218,8 @@ class AsyncLLM:
             [request_id], stats, FinishReason.ABORT
         )
         if stats.finished_requests:
-            self.stats.record(None, stats)
+            engine = self.client.engine_of.get(core_ids[0], 0) if core_ids else 0
+            self.stats.record(None, stats, engine_index=engine)
         return core_ids
 
     async def _run_output_handler(self) -> None:
@@ -238,7 +244,11 @@ class AsyncLLM:
                         await self.client.abort_requests(processed.reqs_to_abort)
                     last = start + OUTPUT_SLICE >= len(core_outputs)
                     scheduler_stats = outputs.scheduler_stats if last else None
-                    self.stats.record(scheduler_stats, processed.iteration_stats)
+                    self.stats.record(
+                        scheduler_stats,
+                        processed.iteration_stats,
+                        engine_index=outputs.engine_index,
+                    )
         except EngineDeadError as exc:
             self._on_dead()
             for queue in self._queues.values():

@@ -89,6 +89,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def sentinels(self) -> list[int]:
+        """File descriptors that become readable when a worker process dies (see
+        ``Executor.sentinels``); an idle loop waits on them with its input."""
+        return self.executor.sentinels()
+
+    def check_health(self) -> None:
+        """Raises ``WorkerDiedError`` when a worker process has died."""
+        self.executor.check_health()
+
     def step(self) -> EngineCoreOutputs:
         """Run one step; returns the outputs of the requests that advanced or finished."""
         if not self.scheduler.has_unfinished_requests():

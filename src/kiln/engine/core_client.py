@@ -1,9 +1,15 @@
-"""Clients of the engine core: in-process (offline ``LLM``) and over ZMQ to its own process.
+"""Clients of the engine core: in-process (offline ``LLM``) and over ZMQ to its own processes.
 
-``AsyncMPClient`` starts ``kiln.engine.core_proc.run_engine_core`` in a spawned process, sends
-requests and aborts, and yields ``EngineCoreOutputs``. It watches the process: if it dies (or a
-step fails), ``get_output`` raises ``EngineDeadError`` for every waiting caller and every later
-call, so nothing hangs.
+``AsyncMPClient`` starts ``parallel.data_parallel_size`` engine-core processes
+(``kiln.engine.core_proc.run_engine_core``, engine ``i`` with ``parallel.data_parallel_rank = i``),
+sends each request to the engine with the fewest unfinished requests (ties: the lowest index),
+sends an abort to the engine that has the request, and yields every engine's
+``EngineCoreOutputs`` (tagged with ``engine_index``) from one queue. It watches the processes: if
+any dies (or a step fails), ``get_output`` raises ``EngineDeadError`` for every waiting caller and
+every later call, so nothing hangs.
+
+Sockets: one PULL socket that every engine pushes its outputs to, and one PUSH socket per engine
+for its inputs.
 """
 
 from __future__ import annotations
@@ -42,87 +48,143 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class AsyncMPClient:
-    """The engine core in a separate process.
+    """The engine cores, each in a separate process.
 
     Args:
-        config: the user's config; the engine process runs the plugin lifecycle itself.
-        log_level: logging level of the engine process.
+        config: the user's config; each engine process runs the plugin lifecycle itself.
+        log_level: logging level of the engine processes.
     """
 
     def __init__(self, config: KilnConfig, log_level: int = logging.INFO) -> None:
         self.config = config
         self.log_level = log_level
-        self.ready: ReadyMessage | None = None
+        self.num_engines = config.parallel.data_parallel_size
+        self.readies: list[ReadyMessage] = []
+        """Each engine's ``ReadyMessage``, by engine index (once ``start`` returned)."""
         self.dead_error: str | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="kiln-")
         name = uuid.uuid4().hex[:8]
-        self.input_addr = f"ipc://{self._ipc_dir}/{name}-in"
+        self.input_addrs = [f"ipc://{self._ipc_dir}/{name}-in-{i}" for i in range(self.num_engines)]
         self.output_addr = f"ipc://{self._ipc_dir}/{name}-out"
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(self.input_addr)
+        self._inputs = []
+        for addr in self.input_addrs:
+            push = self._ctx.socket(zmq.PUSH)
+            push.bind(addr)
+            self._inputs.append(push)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(self.output_addr)
         self._outputs: asyncio.Queue[EngineCoreOutputs | None] = asyncio.Queue()
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._processes: list[multiprocessing.process.BaseProcess] = []
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self.engine_of: dict[str, int] = {}
+        """Engine index of every unfinished engine-core request."""
+        self.num_unfinished = [0] * self.num_engines
+        """Unfinished engine-core requests of each engine."""
 
     async def start(self, timeout: float = 600) -> ReadyMessage:
-        """Start the engine process and wait until its model is loaded.
+        """Start the engine processes and wait until each has loaded its model; returns engine
+        0's ``ReadyMessage`` (all are in ``readies``).
 
         Raises:
-            EngineDeadError: the process failed to start (its traceback is in the message).
+            EngineDeadError: a process failed to start (its traceback is in the message); the
+                others are stopped.
         """
         ctx = multiprocessing.get_context("spawn")
-        self._process = ctx.Process(
-            target=run_engine_core,
-            args=(self.config, self.input_addr, self.output_addr, self.log_level),
-            name="kiln-engine-core",
-            daemon=True,
-        )
-        self._process.start()
-        watcher = asyncio.ensure_future(self._watch_process())
+        for index, input_addr in enumerate(self.input_addrs):
+            config = self.config.replace(parallel__data_parallel_rank=index)
+            process = ctx.Process(
+                target=run_engine_core,
+                args=(config, input_addr, self.output_addr, self.log_level),
+                name=f"kiln-engine-core-{index}",
+                daemon=True,
+            )
+            process.start()
+            self._processes.append(process)
+        watcher = asyncio.ensure_future(self._watch_processes())
         self._tasks.append(watcher)
-        receive = asyncio.ensure_future(self._output.recv_multipart())
-        done, _ = await asyncio.wait(
-            {receive, watcher}, timeout=timeout, return_when="FIRST_COMPLETED"
-        )
-        if receive not in done:
-            receive.cancel()
-            self.shutdown()
-            raise EngineDeadError(f"the engine core did not start: {self.dead_error or 'timeout'}")
-        kind, payload = receive.result()
-        if kind == ERROR:
-            error = msgspec.msgpack.decode(payload, type=StartupError).error
-            self.shutdown()
-            raise EngineDeadError(f"the engine core failed to start:\n{error}")
-        assert kind == READY, kind
-        self.ready = msgspec.msgpack.decode(payload, type=ReadyMessage)
+        readies: dict[int, ReadyMessage] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(readies) < self.num_engines:
+            receive = asyncio.ensure_future(self._output.recv_multipart())
+            done, _ = await asyncio.wait(
+                {receive, watcher},
+                timeout=max(0.0, deadline - loop.time()),
+                return_when="FIRST_COMPLETED",
+            )
+            if receive not in done:
+                receive.cancel()
+                self.shutdown()
+                reason = self.dead_error or "timeout"
+                raise EngineDeadError(f"the engine core did not start: {reason}")
+            kind, payload = receive.result()
+            if kind == ERROR:
+                error = msgspec.msgpack.decode(payload, type=StartupError).error
+                self.shutdown()
+                raise EngineDeadError(f"the engine core failed to start:\n{error}")
+            assert kind == READY, kind
+            ready = msgspec.msgpack.decode(payload, type=ReadyMessage)
+            readies[ready.engine_index] = ready
+        self.readies = [readies[i] for i in range(self.num_engines)]
         self._tasks.append(asyncio.ensure_future(self._read_outputs()))
-        return self.ready
+        return self.readies[0]
+
+    @property
+    def ready(self) -> ReadyMessage | None:
+        """Engine 0's ``ReadyMessage`` (None before ``start`` returned)."""
+        return self.readies[0] if self.readies else None
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process else None
+        return self._processes[0].pid if self._processes else None
+
+    @property
+    def pids(self) -> list[int]:
+        """Every engine process's pid, by engine index."""
+        return [p.pid for p in self._processes if p.pid is not None]
 
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
 
+    def pick_engine(self) -> int:
+        """The engine with the fewest unfinished requests (ties: the lowest index)."""
+        return min(range(self.num_engines), key=self.num_unfinished.__getitem__)
+
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        await self._input.send_multipart([ADD, _encoder.encode(request)])
+        engine = self.pick_engine()
+        self.engine_of[request.request_id] = engine
+        self.num_unfinished[engine] += 1
+        await self._inputs[engine].send_multipart([ADD, _encoder.encode(request)])
 
     async def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.is_dead and not self._closing:
-            await self._input.send_multipart([ABORT, _encoder.encode(request_ids)])
+        """Abort ``request_ids`` on the engines that have them (unknown or finished ids are
+        skipped)."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self._forget(request_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(request_id)
+        if self.is_dead or self._closing:
+            return
+        for engine, ids in by_engine.items():
+            await self._inputs[engine].send_multipart([ABORT, _encoder.encode(ids)])
+
+    def _forget(self, request_id: str) -> int | None:
+        """Stop counting ``request_id`` as unfinished; returns its engine (None: not known)."""
+        engine = self.engine_of.pop(request_id, None)
+        if engine is not None:
+            self.num_unfinished[engine] -= 1
+        return engine
 
     async def get_output(self) -> EngineCoreOutputs:
-        """The next outputs.
+        """The next outputs of any engine (``outputs.engine_index`` says which).
 
         Raises:
-            EngineDeadError: the engine process died or failed.
+            EngineDeadError: an engine process died or failed.
         """
         self._check_alive()
         outputs = await self._outputs.get()
@@ -149,36 +211,44 @@ class AsyncMPClient:
                 continue
             outputs = _outputs_decoder.decode(payload)
             if outputs.error is not None:
-                self._mark_dead(f"a step failed:\n{outputs.error}")
+                self._mark_dead(f"engine {outputs.engine_index}: a step failed:\n{outputs.error}")
                 return
+            for output in outputs.outputs:
+                if output.finished:
+                    self._forget(output.request_id)
             self._outputs.put_nowait(outputs)
 
-    async def _watch_process(self) -> None:
-        assert self._process is not None
-        sentinel = self._process.sentinel
+    async def _watch_processes(self) -> None:
+        """Mark the client dead as soon as any engine process exits."""
+        sentinels = {p.sentinel: (i, p) for i, p in enumerate(self._processes)}
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, wait_for_sentinels, [sentinel])
-        self._process.join(1)  # reap it, so exitcode is known
-        self._mark_dead(f"process {self._process.pid} exited with code {self._process.exitcode}")
+        ready = await loop.run_in_executor(None, wait_for_sentinels, list(sentinels))
+        index, process = sentinels[ready[0]]
+        process.join(1)  # reap it, so exitcode is known
+        where = f"engine {index} " if self.num_engines > 1 else ""
+        self._mark_dead(f"{where}process {process.pid} exited with code {process.exitcode}")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine process (politely, then by force) and close the sockets."""
+        """Stop the engine processes (politely, then by force) and close the sockets."""
         self._closing = True
         for task in self._tasks:
             task.cancel()
-        process = self._process
-        if process is not None and process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                self._input.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
+        alive = [p for p in self._processes if p.is_alive()]
+        for push, process in zip(self._inputs, self._processes, strict=False):
+            if process.is_alive():
+                with contextlib.suppress(zmq.ZMQError):
+                    push.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
+        for process in alive:
             process.join(timeout)
+        for process in alive:
             if process.is_alive():
                 process.terminate()
                 process.join(timeout)
             if process.is_alive():
                 process.kill()
                 process.join()
-        self._input.close(linger=0)
-        self._output.close(linger=0)
+        for sock in [*self._inputs, self._output]:
+            sock.close(linger=0)
         self._ctx.term()
         for name in os.listdir(self._ipc_dir):
             with contextlib.suppress(OSError):

@@ -52,6 +52,8 @@ class ReadyMessage(msgspec.Struct):
     """``EngineCore.startup_seconds``: load, KV cache, warm-up and graph capture."""
     warmup_s: float = 0.0
     """``EngineCore.warmup_seconds``: warm-up and graph capture (compiles, if any)."""
+    engine_index: int = 0
+    """``parallel.data_parallel_rank`` of this engine core."""
     plugin_report: str = ""
     """``kiln plugins --json`` as this process sees it, once the engine is built: the engine
     core is where the platform acts (its worker, patches and ops), so ``GET /debug/plugins``
@@ -136,6 +138,7 @@ def run_engine_core(
             os.getpid(),
             startup_s=engine.startup_seconds,
             warmup_s=engine.warmup_seconds,
+            engine_index=config.parallel.data_parallel_rank,
             plugin_report=_plugin_report(config),
         )
         outputs.send_multipart([READY, encoder.encode(ready)])
@@ -167,33 +170,44 @@ def _plugin_report(config: KilnConfig) -> str:
 
 
 def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent: _Parent) -> None:
-    """Serve until ``shutdown``. Raises ``ParentGone`` when the API server dies."""
+    """Serve until ``shutdown``. Raises ``ParentGone`` when the API server dies; a failed step or
+    a dead worker goes out as ``EngineCoreOutputs.error``, then raises."""
+    engine_index = engine.config.parallel.data_parallel_rank
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    for fd in engine.sentinels():  # a worker's exit wakes the idle wait at once
+        poller.register(fd, zmq.POLLIN)
     while True:
-        # Wait while idle (waking each second to notice a parent that died without telling us,
-        # e.g. SIGKILL); otherwise check it once per step and take only what is already queued.
-        if not engine.has_unfinished_requests():
-            while not poller.poll(IDLE_POLL_MS):
-                parent.check()
-        parent.check()
-        while poller.poll(0):
-            kind, payload = inputs.recv_multipart()
-            if kind == ADD:
-                _add_request(engine, _request_decoder.decode(payload), outputs, parent)
-            elif kind == ABORT:
-                engine.abort_requests(_abort_decoder.decode(payload))
-            elif kind == SHUTDOWN:
-                return
         try:
+            # Wait while idle (waking each second to notice a parent that died without telling
+            # us, e.g. SIGKILL, and at once when a worker dies); otherwise check the parent once
+            # per step and take only what is already queued.
+            if not engine.has_unfinished_requests():
+                while inputs not in dict(poller.poll(IDLE_POLL_MS)):
+                    parent.check()
+                    engine.check_health()
+            parent.check()
+            while inputs.poll(0):
+                kind, payload = inputs.recv_multipart()
+                if kind == ADD:
+                    _add_request(engine, _request_decoder.decode(payload), outputs, parent)
+                elif kind == ABORT:
+                    engine.abort_requests(_abort_decoder.decode(payload))
+                elif kind == SHUTDOWN:
+                    return
             step_outputs = engine.step()
+        except ParentGone:
+            raise
         except Exception:
             error = traceback.format_exc()
             logger.error("engine core step failed:\n%s", error)
-            failed = EngineCoreOutputs(error=error, timestamp=time.monotonic())
+            failed = EngineCoreOutputs(
+                error=error, timestamp=time.monotonic(), engine_index=engine_index
+            )
             _send(outputs, [OUTPUTS, encoder.encode(failed)], parent)
             raise
         if step_outputs.outputs or step_outputs.scheduler_stats is not None:
+            step_outputs.engine_index = engine_index
             _send(outputs, [OUTPUTS, encoder.encode(step_outputs)], parent)
 
 
@@ -209,5 +223,9 @@ def _add_request(
         refused = EngineCoreOutput(
             request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc)
         )
-        result = EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic())
+        result = EngineCoreOutputs(
+            outputs=[refused],
+            timestamp=time.monotonic(),
+            engine_index=engine.config.parallel.data_parallel_rank,
+        )
         _send(outputs, [OUTPUTS, encoder.encode(result)], parent)

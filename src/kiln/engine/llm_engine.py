@@ -1,5 +1,6 @@
 """The synchronous, in-process engine behind the offline ``LLM``: front end + engine core in one
-process, stepped by the caller."""
+process, stepped by the caller. One engine core only: data parallelism (several engine cores)
+is ``kiln serve --data-parallel-size N``'s, and is refused here."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ class LLMEngine:
     """
 
     def __init__(self, config: KilnConfig, log_stats: bool = True) -> None:
+        """Raises:
+        ValueError: ``parallel.data_parallel_size`` above 1.
+        """
+        if config.parallel.data_parallel_size != 1:
+            raise ValueError(
+                f"parallel.data_parallel_size={config.parallel.data_parallel_size} is not "
+                "supported by the offline LLM, which steps one engine core in the caller's "
+                "process; allowed: 1 (serve several engines with kiln serve --data-parallel-size)"
+            )
         self.engine_core = EngineCore(config)
         self.config = self.engine_core.config
         self.frontend = Frontend(self.config, self.engine_core.max_model_len)

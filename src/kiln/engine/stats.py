@@ -11,6 +11,9 @@
 tokens accepted, and the tokens a verifying request gained per step, its bonus token included,
 as vLLM's "mean acceptance length").
 
+With data parallelism each engine core has its own totals (``engines[i]``, fed by the outputs
+whose ``engine_index`` is ``i``); ``totals`` is their sum, which the log line shows.
+
 This module knows nothing about Prometheus; the server's metrics module reads the totals and
 registers a listener (``add_listener``) for what totals cannot hold (latency histograms).
 """
@@ -53,7 +56,8 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
-StatsListener = Callable[[SchedulerStats | None, IterationStats | None], None]
+StatsListener = Callable[[SchedulerStats | None, IterationStats | None, int], None]
+"""``listener(scheduler_stats, iteration_stats, engine_index)``."""
 
 
 @dataclass
@@ -86,16 +90,39 @@ def spec_decode_rates(
     return num_accepted / max(num_draft_tokens, 1), 1 + num_accepted / num_drafts
 
 
+def sum_totals(engines: list[StatsTotals]) -> StatsTotals:
+    """The totals of several engines as one: counts and gauges added, KV-cache usage averaged
+    (every engine has a cache of the same size)."""
+    total = StatsTotals()
+    for t in engines:
+        total.prompt_tokens += t.prompt_tokens
+        total.generation_tokens += t.generation_tokens
+        total.preemptions += t.preemptions
+        total.prefix_cache_queries += t.prefix_cache_queries
+        total.prefix_cache_hits += t.prefix_cache_hits
+        for reason, count in t.finished_by_reason.items():
+            total.finished_by_reason[reason] = total.finished_by_reason.get(reason, 0) + count
+        total.num_running += t.num_running
+        total.num_waiting += t.num_waiting
+        total.spec_num_drafts += t.spec_num_drafts
+        total.spec_num_draft_tokens += t.spec_num_draft_tokens
+        total.spec_num_accepted_tokens += t.spec_num_accepted_tokens
+    total.kv_cache_usage = sum(t.kv_cache_usage for t in engines) / max(1, len(engines))
+    return total
+
+
 class StatsRecorder:
     """Accumulates engine statistics and logs them periodically.
 
     Args:
         interval: seconds between log lines; 0 disables logging (totals are still kept).
+        num_engines: engine cores whose statistics are kept apart (``parallel.data_parallel_size``).
     """
 
-    def __init__(self, interval: float = 10.0) -> None:
+    def __init__(self, interval: float = 10.0, num_engines: int = 1) -> None:
         self.interval = interval
-        self.totals = StatsTotals()
+        self.engines = [StatsTotals() for _ in range(num_engines)]
+        """Each engine core's totals, by engine index."""
         self._window_start = time.monotonic()
         self._window_prompt = 0
         self._window_generation = 0
@@ -104,9 +131,14 @@ class StatsRecorder:
         self._window_spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens
         self._listeners: list[StatsListener] = []
 
+    @property
+    def totals(self) -> StatsTotals:
+        """Every engine's totals together (the one engine's own object when there is one)."""
+        return self.engines[0] if len(self.engines) == 1 else sum_totals(self.engines)
+
     def add_listener(self, listener: StatsListener) -> None:
-        """Call ``listener(scheduler_stats, iteration_stats)`` on every ``record``, after the
-        totals are updated. A listener that raises is logged, never propagated."""
+        """Call ``listener(scheduler_stats, iteration_stats, engine_index)`` on every ``record``,
+        after the totals are updated. A listener that raises is logged, never propagated."""
         self._listeners.append(listener)
 
     def record(
@@ -114,9 +146,11 @@ class StatsRecorder:
         scheduler_stats: SchedulerStats | None,
         iteration_stats: IterationStats | None,
         now: float | None = None,
+        engine_index: int = 0,
     ) -> None:
-        """Add one step's statistics; may log. Side effects: updates ``totals``."""
-        t = self.totals
+        """Add one step's statistics of engine ``engine_index``; may log. Side effects: updates
+        ``engines[engine_index]``."""
+        t = self.engines[engine_index]
         if scheduler_stats is not None:
             t.num_running = scheduler_stats.num_running_reqs
             t.num_waiting = scheduler_stats.num_waiting_reqs
@@ -144,7 +178,7 @@ class StatsRecorder:
                 t.finished_by_reason[reason] = t.finished_by_reason.get(reason, 0) + 1
         for listener in self._listeners:
             try:
-                listener(scheduler_stats, iteration_stats)
+                listener(scheduler_stats, iteration_stats, engine_index)
             except Exception:  # metrics must never take the engine's output loop down
                 logger.exception("stats listener %r failed", listener)
         self.maybe_log(now)
@@ -152,9 +186,9 @@ class StatsRecorder:
     def reset_gauges(self) -> None:
         """Zero what describes the engine's present (running, waiting, KV usage): called when
         the engine is gone, so the last values it reported do not linger."""
-        t = self.totals
-        t.num_running = t.num_waiting = 0
-        t.kv_cache_usage = 0.0
+        for t in self.engines:
+            t.num_running = t.num_waiting = 0
+            t.kv_cache_usage = 0.0
 
     def maybe_log(self, now: float | None = None) -> str | None:
         """Log (and return) the line if ``interval`` has passed and the engine did something."""

@@ -14,23 +14,25 @@ from kiln.config import KilnConfig
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the executor needed it."""
+
+
 class Executor(ABC):
     def __init__(self, config: KilnConfig) -> None:
         self.config = config
 
     @staticmethod
     def get_class(config: KilnConfig) -> type[Executor]:
-        """The executor class for ``parallel.distributed_executor_backend``.
-
-        "uni" with more than one rank (``world_size``) means "mp" (uni is the default backend;
-        one process cannot hold several ranks).
+        """The executor class for ``parallel.distributed_executor_backend``; None (the default)
+        means "uni" for one rank and "mp" for more (one machine; "ray" only when asked).
 
         Raises:
             NotImplementedError: a backend that is not built.
         """
         backend = config.parallel.distributed_executor_backend
-        if backend == "uni" and config.parallel.world_size > 1:
-            backend = "mp"
+        if backend is None:
+            backend = "uni" if config.parallel.world_size == 1 else "mp"
         if backend == "uni":
             from kiln.executor.uniproc import UniProcExecutor
 
@@ -46,6 +48,19 @@ class Executor(ABC):
         raise NotImplementedError(
             f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'uni' or 'mp'"
         )
+
+    def check_health(self) -> None:
+        """Raise if a worker has died (called by an idle engine core when a sentinel fires).
+
+        Raises:
+            WorkerDiedError: a worker process exited.
+        """
+        return None  # the uniproc worker lives (and dies) with the engine core
+
+    def sentinels(self) -> list[int]:
+        """File descriptors that become readable when a worker process exits (empty: the
+        workers live in this process)."""
+        return []
 
     @abstractmethod
     def initialize(self) -> None:

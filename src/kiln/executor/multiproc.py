@@ -12,7 +12,9 @@ Contract:
   other calls, and any rank answers with its error.
 - While it waits for an answer the executor watches the processes: a rank that dies fails the
   call within ``POLL_MS`` with ``WorkerDiedError`` (the engine core then reports the error to
-  every request in flight and exits, see ``kiln.engine.core_proc``). ``shutdown`` asks every rank
+  every request in flight and exits, see ``kiln.engine.core_proc``). Between calls
+  ``sentinels()`` (a pidfd per worker) wake the idle engine core the moment a worker exits, and
+  ``check_health()`` raises ``WorkerDiedError`` for it. ``shutdown`` asks every rank
   to stop, then terminates and kills what is left: no process outlives it.
 - A worker whose engine core dies (SIGKILL) notices within ``POLL_MS`` while idle and exits.
 
@@ -43,7 +45,7 @@ import zmq
 
 from kiln.config import KilnConfig
 from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
-from kiln.executor import Executor
+from kiln.executor import Executor, WorkerDiedError
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -71,10 +73,6 @@ CALLS = (
 READY, OK, FAILED = b"ready", b"ok", b"failed"
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker process exited while the executor needed it."""
-
-
 @dataclass
 class WorkerStart:
     """What a worker process reads from its stdin at start (pickled)."""
@@ -99,6 +97,7 @@ class MultiprocExecutor(Executor):
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.bind(f"ipc://{self.ipc_dir}/out")
         self.is_shut_down = False
+        self._sentinels: list[int | None] = []
 
     def initialize(self) -> None:
         # An offline LLM may be dropped without shutdown: stop its workers at exit all the same.
@@ -109,7 +108,7 @@ class MultiprocExecutor(Executor):
             push.bind(f"ipc://{self.ipc_dir}/in-{rank}")
             self.inputs.append(push)
             start = WorkerStart(
-                self.config,
+                self.config.replace(parallel__rank=rank),
                 rank,
                 init_method,
                 f"ipc://{self.ipc_dir}/in-{rank}",
@@ -124,6 +123,7 @@ class MultiprocExecutor(Executor):
             proc.stdin.write(pickle.dumps(start))
             proc.stdin.close()
             self.processes.append(proc)
+            self._sentinels.append(_pidfd(proc.pid))
         try:
             self._wait(set(range(self.world_size)), READY, WORKER_START_TIMEOUT_S, "start")
         except BaseException:
@@ -145,6 +145,16 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output, ranks={self.output_rank})[0]
+
+    def sentinels(self) -> list[int]:
+        """A pidfd per worker process (readable once it exits), where the kernel has them."""
+        return [fd for fd in self._sentinels if fd is not None]
+
+    def check_health(self) -> None:
+        """Raises ``WorkerDiedError`` when a worker process has exited."""
+        if self.is_shut_down:
+            raise WorkerDiedError("the workers are shut down")
+        self._check_processes("idle")
 
     def shutdown(self) -> None:
         """Stop every worker (asked, then terminated, then killed); idempotent."""
@@ -170,6 +180,9 @@ class MultiprocExecutor(Executor):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for fd in self._sentinels:
+            if fd is not None:
+                os.close(fd)
         for sock in [*self.inputs, self.outputs]:
             sock.close(linger=0)
         self.ctx.term()
@@ -207,18 +220,30 @@ class MultiprocExecutor(Executor):
                 if rank in ranks:
                     answers[rank] = pickle.loads(payload) if answer_kind == kind else None
                 continue
-            for rank, proc in enumerate(self.processes):
-                if proc.poll() is not None:
-                    raise WorkerDiedError(
-                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status "
-                        f"{proc.returncode} during {what}"
-                    )
+            self._check_processes(what)
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(ranks - answers.keys())
                 raise TimeoutError(
                     f"tensor-parallel ranks {missing} did not {what} within {timeout:.0f} s"
                 )
         return [answers[rank] for rank in sorted(ranks)]
+
+    def _check_processes(self, what: str) -> None:
+        for rank, proc in enumerate(self.processes):
+            if proc.poll() is not None:
+                raise WorkerDiedError(
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status "
+                    f"{proc.returncode} during {what}"
+                )
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when process ``pid`` exits (Linux >= 5.3), or None
+    where there is none (the engine core then notices at its next idle poll)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _free_port() -> int:
@@ -309,9 +334,11 @@ def main() -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        # The ranks share this machine's cores: one each's share, not all of them each.
-        world_size = start.config.parallel.world_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        from kiln.platforms import worker_cpus
+
+        # The ranks share this machine's cores: each its share, not all of them each (the
+        # platform's init_worker_process may size or pin the pool again).
+        torch.set_num_threads(len(worker_cpus(start.config, sorted(os.sched_getaffinity(0)))))
     try:
         proc = WorkerProc(start)
     except Exception:

@@ -9,12 +9,15 @@ ops' dispatch at its device type. Nothing below the lifecycle selects: reading
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kiln.model_executor.custom_op import OP_REGISTRY
 from kiln.platforms.interface import PLATFORM_API_VERSION, Platform
 
 if TYPE_CHECKING:
+    from kiln.config import KilnConfig
+
     current_platform: type[Platform]
 
 _selected: type[Platform] | None = None
@@ -38,6 +41,29 @@ def process_role() -> str | None:
     return _role
 
 
+def worker_cpus(config: KilnConfig, cpus: Sequence[int]) -> list[int]:
+    """The cores of ``cpus`` that this worker (``config.parallel.rank`` of engine
+    ``config.parallel.data_parallel_rank``) runs on, when all the workers of the server on this
+    machine (``data_parallel_size`` engines of ``world_size`` ranks) share ``cpus``.
+
+    The shares are contiguous and disjoint, engine-major (engine 0's ranks first), and cover
+    ``cpus``; the first ``len(cpus) % workers`` are one core larger. With fewer cores than
+    workers, worker ``i`` gets core ``cpus[i % len(cpus)]`` (shared, but each has one). A platform
+    that sizes or pins thread pools calls this in ``init_worker_process``.
+    """
+    parallel = config.parallel
+    num_workers = parallel.data_parallel_size * parallel.world_size
+    index = parallel.data_parallel_rank * parallel.world_size + parallel.rank
+    cpus = list(cpus)
+    if num_workers == 1 or not cpus:
+        return cpus
+    if len(cpus) < num_workers:
+        return [cpus[index % len(cpus)]]
+    size, extra = divmod(len(cpus), num_workers)
+    start = index * size + min(index, extra)
+    return cpus[start : start + size + (index < extra)]
+
+
 def __getattr__(name: str) -> Any:
     if name == "current_platform":
         if _selected is None:
@@ -56,4 +82,5 @@ __all__ = [
     "current_platform",
     "process_role",
     "set_current_platform",
+    "worker_cpus",
 ]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.platforms import process_role
+from kiln.platforms import process_role, worker_cpus
 from kiln.platforms.interface import Platform
 from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 
@@ -88,7 +88,7 @@ class CpuPlatform(Platform):
         options = (
             PLUGIN_CONFIG_REGISTRY.get(cls.name, config) if cls.config_section else CpuOptions()
         )
-        torch.set_num_threads(options.num_threads or default_num_threads())
+        torch.set_num_threads(options.num_threads or default_num_threads(config))
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
@@ -134,10 +134,13 @@ def has_native_bf16() -> bool:
     return False
 
 
-def default_num_threads() -> int:
-    """Usable cores, less one for the API server when this is ``kiln serve``'s engine process."""
-    cores = len(os.sched_getaffinity(0))
-    return max(1, cores - 1) if process_role() == "engine" else cores
+def default_num_threads(config: KilnConfig) -> int:
+    """This worker's share (``worker_cpus``) of the usable cores, less one for the API server
+    when this is ``kiln serve``'s engine process."""
+    cores = sorted(os.sched_getaffinity(0))
+    if process_role() == "engine" and len(cores) > 1:
+        cores = cores[1:]
+    return len(worker_cpus(config, cores))
 
 
 def cpu_platform_plugin() -> str | None:

@@ -92,9 +92,17 @@ class Worker(WorkerBase):
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
     def determine_available_memory(self) -> int:
+        """The KV-cache bytes of this rank's engine: the budget (``cache.kv_cache_memory``, a
+        fraction of free memory, or the default) is the whole server's, split evenly over its
+        ``data_parallel_size`` engines. The engine sizes its blocks by whole-block bytes (every
+        KV head), and each rank allocates only its heads' part of every block, so an engine's
+        ranks together take the engine's share (more only where KV heads are replicated). The
+        ranks and engines of CPU platforms draw on one host memory, so ``--kv-cache-memory 2``
+        takes 2 GiB in all, whatever the parallelism."""
         free, _total = self.platform.mem_get_info(self.device)
         cache = self.config.cache
-        return kv_cache_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, free)
+        budget = kv_cache_budget(cache.kv_cache_memory, cache.kv_cache_memory_fraction, free)
+        return budget // self.config.parallel.data_parallel_size
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -21,8 +21,13 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from kiln.platforms import worker_cpus
 from kiln_x86.options import CPUS_AUTO, CPUS_NONE, X86Options, parse_cpu_list
+
+if TYPE_CHECKING:
+    from kiln.config import KilnConfig
 
 USABLE_CPUS_ENV = "KILN_X86_USABLE_CPUS"
 """Cores the API server was allowed before it pinned itself (read by the engine it starts)."""
@@ -60,11 +65,16 @@ def format_cpu_list(cpus: list[int] | tuple[int, ...]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
-def plan_binding(options: X86Options, role: str | None, usable: list[int]) -> BindingPlan:
+def plan_binding(
+    options: X86Options, role: str | None, usable: list[int], config: KilnConfig | None = None
+) -> BindingPlan:
     """Where the model's threads go in a process of ``role`` (api, engine, worker, offline).
 
     ``engine`` is the engine process beside ``kiln serve``'s API server: only there (and in the
-    API server itself) are cores reserved. The API server's plan says where it goes.
+    API server itself) are cores reserved. The API server's plan says where it goes. With
+    ``config``, a worker's model cores are its share (``kiln.platforms.worker_cpus``) of the
+    cores left for models: engines and tensor-parallel ranks never share a core where there are
+    enough of them.
 
     Raises:
         ValueError: ``x86.cpus`` names cores this process may not use, or ``x86.num_threads``
@@ -89,6 +99,8 @@ def plan_binding(options: X86Options, role: str | None, usable: list[int]) -> Bi
                 f"x86.cpus={options.cpus!r} names core(s) {format_cpu_list(missing)} this process "
                 f"may not use; allowed: cores {format_cpu_list(usable)}"
             )
+    if config is not None and role != "api":
+        candidates = worker_cpus(config, candidates)
     num_threads = options.num_threads or len(candidates)
     pinned = options.cpus != CPUS_NONE
     if pinned and num_threads > len(candidates):

@@ -160,7 +160,7 @@ class X86Platform(CpuPlatform):
         from kiln.platforms import process_role
 
         role = process_role()
-        plan = plan_binding(cls.options(config), role, usable_cpus())
+        plan = plan_binding(cls.options(config), role, usable_cpus(), config)
         if plan.model_cpus is None:
             torch.set_num_threads(plan.num_threads)
             logger.info("x86: model on %d unpinned thread(s)", plan.num_threads)

@@ -9,7 +9,7 @@ exit 0. A second signal skips the wait. If the engine core dies, the requests in
 answered (with errors), then the server exits with status 1, so a supervisor restarts it.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
-/health`` (200, or 503 when the engine is dead or the server is shutting down), ``GET /metrics``,
+/health`` (200, or 503 when an engine is dead or the server is shutting down), ``GET /metrics``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /debug/plugins``. With
 ``--api-key``, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the key (the routes that run the
 tokenizer or a template). A request body over ``--max-request-body-bytes`` is refused with 413
@@ -324,15 +324,21 @@ def _banner(llm: AsyncLLM, state: ServerState, url: str, api_keys: Sequence[str]
     assert ready is not None
     block_size = llm.config.cache.block_size
     concurrency = ready.kv_cache_tokens / llm.max_model_len
+    pids = ", ".join(str(r.pid) for r in llm.client.readies)
+    num_engines = len(llm.client.readies)
+    engines = f"engine core pid {pids}"
+    if num_engines > 1:
+        engines = f"{num_engines} engine cores (data parallel), pids {pids}"
+    per_engine = " per engine" if num_engines > 1 else ""
     return "\n".join(
         [
             f"Kiln {kiln.__version__} is serving {state.model_name}",
             f"  model      {state.model_path}",
-            f"  platform   {ready.platform} (engine core pid {ready.pid})",
+            f"  platform   {ready.platform} ({engines})",
             f"  start-up   {ready.startup_s:.1f} s (warm-up, graph capture {ready.warmup_s:.1f} s)",
             f"  KV cache   {ready.kv_cache_tokens:,} tokens ({ready.num_blocks:,} blocks of "
-            f"{block_size}); max_model_len {llm.max_model_len:,}, so {concurrency:.2f}x "
-            "concurrency at full length",
+            f"{block_size}){per_engine}; max_model_len {llm.max_model_len:,}, so "
+            f"{concurrency:.2f}x concurrency at full length{per_engine}",
             f"  URL        {url}  (OpenAI API: {url}/v1{', API key required' if api_keys else ''})",
         ]
     )

@@ -3,7 +3,8 @@
 Gauges and counters are read from the engine's ``StatsTotals`` at scrape time (so they cannot
 drift from what the engine logs); histograms are fed by a ``StatsRecorder`` listener, one
 observation per first token, per inter-token gap and per finished request. Every series has the
-labels ``model_name`` (the served name) and ``engine`` ("0"), as vLLM's.
+labels ``model_name`` (the served name) and ``engine`` (the engine core's index, "0" to
+``data_parallel_size - 1``: one series per engine), as vLLM's.
 
 Exported: ``kiln:num_requests_running``, ``kiln:num_requests_waiting``,
 ``kiln:kv_cache_usage_perc`` (0..1), ``kiln:prompt_tokens_total``, ``kiln:generation_tokens_total``,
@@ -56,60 +57,67 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class _TotalsCollector(Collector):
-    """Gauges and counters straight from ``StatsTotals``."""
+    """Gauges and counters straight from each engine's ``StatsTotals``."""
 
-    def __init__(self, totals: StatsTotals, labels: dict[str, str]) -> None:
-        self.totals = totals
-        self.names = list(labels)
-        self.values = list(labels.values())
+    def __init__(self, stats: StatsRecorder, model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+        self.names = ["model_name", "engine"]
+        self.values: list[str] = []
+        """The labels of the engine being collected."""
+        self.families: dict[str, Metric] = {}
 
-    def _gauge(self, name: str, doc: str, value: float) -> Metric:
-        metric = GaugeMetricFamily(name, doc, labels=self.names)
-        metric.add_metric(self.values, value)
-        return metric
+    def _gauge(self, name: str, doc: str, value: float) -> None:
+        self._add(GaugeMetricFamily, name, doc, value)
 
-    def _counter(self, name: str, doc: str, value: float) -> Metric:
-        metric = CounterMetricFamily(name, doc, labels=self.names)
-        metric.add_metric(self.values, value)
-        return metric
+    def _counter(self, name: str, doc: str, value: float) -> None:
+        self._add(CounterMetricFamily, name, doc, value)
+
+    def _add(self, kind: type, name: str, doc: str, value: float) -> None:
+        """The current engine's sample of family ``name`` (made at the first engine)."""
+        if name not in self.families:
+            self.families[name] = kind(name, doc, labels=self.names)
+        self.families[name].add_metric(self.values, value)
 
     def collect(self) -> Iterator[Metric]:
-        t = self.totals
-        yield self._gauge(
-            "kiln:num_requests_running", "Requests in the running batch.", t.num_running
-        )
-        yield self._gauge("kiln:num_requests_waiting", "Requests waiting to run.", t.num_waiting)
-        yield self._gauge(
+        self.families = {}
+        for index, totals in enumerate(self.stats.engines):
+            self.values = [self.model_name, str(index)]
+            self._collect_engine(totals)
+        yield from self.families.values()
+
+    def _collect_engine(self, t: StatsTotals) -> None:
+        self._gauge("kiln:num_requests_running", "Requests in the running batch.", t.num_running)
+        self._gauge("kiln:num_requests_waiting", "Requests waiting to run.", t.num_waiting)
+        self._gauge(
             "kiln:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (0..1).",
             t.kv_cache_usage,
         )
-        yield self._counter("kiln:prompt_tokens", "Prompt tokens processed.", t.prompt_tokens)
-        yield self._counter(
-            "kiln:generation_tokens", "Generation tokens produced.", t.generation_tokens
-        )
-        yield self._counter("kiln:num_preemptions", "Preemptions (KV cache full).", t.preemptions)
-        yield self._counter(
+        self._counter("kiln:prompt_tokens", "Prompt tokens processed.", t.prompt_tokens)
+        self._counter("kiln:generation_tokens", "Generation tokens produced.", t.generation_tokens)
+        self._counter("kiln:num_preemptions", "Preemptions (KV cache full).", t.preemptions)
+        self._counter(
             "kiln:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             t.prefix_cache_queries,
         )
-        yield self._counter(
+        self._counter(
             "kiln:prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
             t.prefix_cache_hits,
         )
-        yield self._counter(
+        self._counter(
             "kiln:spec_decode_num_drafts",
             "Speculative decoding: request-steps that verified drafts.",
             t.spec_num_drafts,
         )
-        yield self._counter(
+        self._counter(
             "kiln:spec_decode_num_draft_tokens",
             "Speculative decoding: draft tokens verified.",
             t.spec_num_draft_tokens,
         )
-        yield self._counter(
+        self._counter(
             "kiln:spec_decode_num_accepted_tokens",
             "Speculative decoding: draft tokens accepted.",
             t.spec_num_accepted_tokens,
@@ -117,25 +125,26 @@ class _TotalsCollector(Collector):
         acceptance, mean_length = spec_decode_rates(
             t.spec_num_drafts, t.spec_num_draft_tokens, t.spec_num_accepted_tokens
         )
-        yield self._gauge(
+        self._gauge(
             "kiln:spec_decode_acceptance_rate",
             "Speculative decoding: accepted / verified draft tokens since start (0..1).",
             acceptance,
         )
-        yield self._gauge(
+        self._gauge(
             "kiln:spec_decode_mean_accepted_length",
             "Speculative decoding: tokens per verifying step since start (accepted drafts + 1).",
             mean_length,
         )
-        success = CounterMetricFamily(
-            "kiln:request_success",
-            "Finished requests, by finish reason.",
-            labels=[*self.names, "finished_reason"],
-        )
+        if "kiln:request_success" not in self.families:
+            self.families["kiln:request_success"] = CounterMetricFamily(
+                "kiln:request_success",
+                "Finished requests, by finish reason.",
+                labels=[*self.names, "finished_reason"],
+            )
+        success = self.families["kiln:request_success"]
         counts = {reason: 0 for reason in FINISH_REASONS} | t.finished_by_reason
         for reason, count in sorted(counts.items()):
             success.add_metric([*self.values, reason], count)
-        yield success
 
 
 class ServerMetrics:
@@ -149,13 +158,17 @@ class ServerMetrics:
     def __init__(self, stats: StatsRecorder, model_name: str) -> None:
         disable_created_metrics()  # no ``*_created`` series (as vLLM)
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model_name, "engine": "0"}
-        self.registry.register(_TotalsCollector(stats.totals, labels))
+        self.registry.register(_TotalsCollector(stats, model_name))
+        self.model_name = model_name
+        self.num_engines = len(stats.engines)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(
-                name, doc, list(labels), buckets=buckets, registry=self.registry
-            ).labels(**labels)
+            family = Histogram(
+                name, doc, ["model_name", "engine"], buckets=buckets, registry=self.registry
+            )
+            for index in range(self.num_engines):  # every engine's series, from the start
+                family.labels(model_name, str(index))
+            return family
 
         self.ttft = histogram(
             "kiln:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
@@ -176,17 +189,20 @@ class ServerMetrics:
         )
         stats.add_listener(self.observe)
 
-    def observe(self, _: SchedulerStats | None, iteration: IterationStats | None) -> None:
+    def observe(
+        self, _: SchedulerStats | None, iteration: IterationStats | None, engine_index: int
+    ) -> None:
         if iteration is None:
             return
+        labels = (self.model_name, str(engine_index))
         for value in iteration.time_to_first_tokens:
-            self.ttft.observe(value)
+            self.ttft.labels(*labels).observe(value)
         for value in iteration.inter_token_latencies:
-            self.itl.observe(value)
+            self.itl.labels(*labels).observe(value)
         for finished in iteration.finished_requests:
-            self.e2e.observe(finished.e2e_latency)
-            self.prompt_tokens.observe(finished.num_prompt_tokens)
-            self.generation_tokens.observe(finished.num_generation_tokens)
+            self.e2e.labels(*labels).observe(finished.e2e_latency)
+            self.prompt_tokens.labels(*labels).observe(finished.num_prompt_tokens)
+            self.generation_tokens.labels(*labels).observe(finished.num_generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
