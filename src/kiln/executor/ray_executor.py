@@ -133,8 +133,9 @@ class RayExecutor(Executor):
                 strategy = PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 )
+                config = self.config.replace(parallel__rank=rank)
                 self.actors.append(
-                    actor_cls.options(scheduling_strategy=strategy).remote(self.config, rank)
+                    actor_cls.options(scheduling_strategy=strategy).remote(config, rank)
                 )
             deadline = time.monotonic() + START_TIMEOUT_S
             nodes = self._get([actor.node.remote() for actor in self.actors], "start", deadline)
