@@ -19,7 +19,7 @@ import contextvars
 import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -130,13 +130,18 @@ _tp_group: contextvars.ContextVar[TensorParallelGroup] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def set_tp_group(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
-    """Make ``group`` what ``get_tp_group()`` returns inside the block (model construction)."""
-    token = _tp_group.set(group)
+def _scoped(var: contextvars.ContextVar[Any], value: Any) -> Iterator[Any]:
+    """``var`` set to ``value`` inside the block, restored after it."""
+    token = var.set(value)
     try:
-        yield group
+        yield value
     finally:
-        _tp_group.reset(token)
+        var.reset(token)
+
+
+def set_tp_group(group: TensorParallelGroup) -> contextlib.AbstractContextManager:
+    """Make ``group`` what ``get_tp_group()`` returns inside the block (model construction)."""
+    return _scoped(_tp_group, group)
 
 
 def get_tp_group() -> TensorParallelGroup:
@@ -149,14 +154,9 @@ _pp_group: contextvars.ContextVar[PipelineParallelGroup] = contextvars.ContextVa
 )
 
 
-@contextlib.contextmanager
-def set_pp_group(group: PipelineParallelGroup) -> Iterator[PipelineParallelGroup]:
+def set_pp_group(group: PipelineParallelGroup) -> contextlib.AbstractContextManager:
     """Make ``group`` what ``get_pp_group()`` returns inside the block (model construction)."""
-    token = _pp_group.set(group)
-    try:
-        yield group
-    finally:
-        _pp_group.reset(token)
+    return _scoped(_pp_group, group)
 
 
 def get_pp_group() -> PipelineParallelGroup:

@@ -9,6 +9,7 @@ machine or many.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from kiln.config import KilnConfig
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
@@ -46,7 +47,8 @@ class Executor(ABC):
 
             return RayExecutor
         raise NotImplementedError(
-            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'uni' or 'mp'"
+            f"parallel.distributed_executor_backend={backend!r} is not built; allowed: 'uni', "
+            "'mp', 'ray'"
         )
 
     def check_health(self) -> None:
@@ -85,3 +87,25 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+
+class MultiRankExecutor(Executor):
+    """An executor whose workers live in other processes (mp) or actors (Ray): every lifecycle
+    call is ``_call(method, *args)`` on all ranks; subclasses say how a call reaches them."""
+
+    @abstractmethod
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """Run ``method(*args)`` on every rank; their answers in rank order."""
+
+    def determine_available_memory(self) -> list[int]:
+        return self._call("determine_available_memory")
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return self._call("get_kv_cache_bytes_per_block")[0]
+
+    def get_max_model_len(self) -> int:
+        return self._call("get_max_model_len")[0]
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks)
+        self._call("compile_or_warm_up_model")

@@ -45,7 +45,7 @@ import zmq
 
 from kiln.config import KilnConfig
 from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
-from kiln.executor import Executor, WorkerDiedError
+from kiln.executor import MultiRankExecutor, WorkerDiedError
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class WorkerStart:
     log_level: int
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiRankExecutor):
     def __init__(self, config: KilnConfig) -> None:
         super().__init__(prepare_tensor_parallel_config(config))
         self.world_size = self.config.parallel.world_size
@@ -129,19 +129,6 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-
-    def determine_available_memory(self) -> list[int]:
-        return self._call("determine_available_memory")
-
-    def get_kv_cache_bytes_per_block(self) -> int:
-        return self._call("get_kv_cache_bytes_per_block")[0]
-
-    def get_max_model_len(self) -> int:
-        return self._call("get_max_model_len")[0]
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks)
-        self._call("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output, ranks={self.output_rank})[0]

@@ -37,7 +37,7 @@ from typing import Any
 
 from kiln.config import KilnConfig
 from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
-from kiln.executor import Executor
+from kiln.executor import MultiRankExecutor
 from kiln.executor.multiproc import (
     CALLS,
     SHUTDOWN_GRACE_S,
@@ -96,7 +96,7 @@ class RayWorker:
         return None if method == "execute_model" and not self.is_output_rank else result
 
 
-class RayExecutor(Executor):
+class RayExecutor(MultiRankExecutor):
     def __init__(self, config: KilnConfig) -> None:
         super().__init__(prepare_tensor_parallel_config(config))
         self.world_size = self.config.parallel.world_size
@@ -179,19 +179,6 @@ class RayExecutor(Executor):
         if is_main:
             signal.signal(signal.SIGTERM, sigterm)
         self.owns_connection = True
-
-    def determine_available_memory(self) -> list[int]:
-        return self._call("determine_available_memory")
-
-    def get_kv_cache_bytes_per_block(self) -> int:
-        return self._call("get_kv_cache_bytes_per_block")[0]
-
-    def get_max_model_len(self) -> int:
-        return self._call("get_max_model_len")[0]
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks)
-        self._call("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)[self.output_rank]
