@@ -98,6 +98,6 @@ def test_sampled_sequences_have_the_distribution_of_no_speculation(
     assert df >= 2, (reference, got)
     assert stat < CHI2_CRITICAL_001[df], (stat, df, reference, got)
     runner = spec.llm_engine.engine_core.executor.worker.model_runner
-    runner.rejection_sampler = AlwaysAccept()
+    runner.speculator.rejection_sampler = AlwaysAccept()
     stat, df = homogeneity(reference, sample(spec, 20_000))
     assert stat > CHI2_CRITICAL_001[df], (stat, df)

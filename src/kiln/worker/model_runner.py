@@ -14,11 +14,12 @@ smallest bucket that holds them and run through the platform's graph wrapper, wh
 ``capture_model`` prepared at start-up; every other step runs the model eagerly. The contract is in
 ``kiln.worker.graph``; with the reference platform's defaults there are no buckets and no padding.
 
-Speculative decoding (``kiln.spec_decode``): a request scheduled with drafts gets logits at its
-last ``1 + k`` positions, each sampled with the metadata of its position, and the platform's
-rejection sampler decides what it emits (its accepted drafts and one more token); after sampling
-the platform's proposer drafts the next step's tokens of every request that emitted some
-(``ModelRunnerOutput.spec_token_ids``), except those with a grammar. Steps with drafts run eagerly.
+Speculative decoding (``kiln.spec_decode.speculator``): a request scheduled with drafts gets
+logits at its last ``1 + k`` positions, each sampled with the metadata of its position, and the
+platform's rejection sampler decides what it emits (its accepted drafts and one more token);
+after sampling the platform's proposer drafts the next step's tokens of every request that
+emitted some (``ModelRunnerOutput.spec_token_ids``), except those with a grammar. Steps with
+drafts run eagerly.
 
 It knows nothing about scheduling policy or text; the platform's attention backend, graph wrapper
 and device come from the config and the platform.
@@ -50,17 +51,13 @@ from kiln.model_executor.layers.attention import (
 from kiln.model_executor.layers.token_bitmask import ApplyTokenBitmask
 from kiln.model_executor.loader import resolve_model_ref
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
-from kiln.plugins.interfaces import resolve_class
-from kiln.sampling.metadata import SamplingMetadata
 from kiln.sampling.sampler import (
-    LogprobsTensors,
     Sampler,
     compute_prompt_logprobs,
-    gather_logprobs,
 )
 from kiln.scheduler.kv_cache import NULL_BLOCK_ID
-from kiln.spec_decode.interface import ProposalInputs
-from kiln.spec_decode.verify import emitted_tokens, expand_metadata, logits_positions
+from kiln.spec_decode.speculator import Speculator
+from kiln.spec_decode.verify import emitted_tokens, logits_positions
 from kiln.utils import resolve_obj_by_qualname
 from kiln.worker.graph import graph_capture_sizes, padded_size
 from kiln.worker.input_batch import InputBatch
@@ -80,19 +77,10 @@ class ModelRunner(ModelRunnerBase):
         self.attn_backend = resolve_attn_backend(config.device.attention_backend)
         self.sampler = Sampler()
         self.apply_token_bitmask = ApplyTokenBitmask()
-        self.proposer: Any = None
-        self.rejection_sampler: Any = None
+        self.speculator: Speculator | None = None
+        """The proposer and rejection sampler, with ``speculative.method``."""
         if config.speculative.method is not None:
-            if config.parallel.pipeline_parallel_size > 1:
-                # Earlier stages take one sampled token per request from the last (see
-                # _follow_last_stage); several per step would need their counts too.
-                raise ValueError(
-                    "speculative.method is not supported with parallel.pipeline_parallel_size > 1"
-                )
-            classes = config.device
-            self.proposer = resolve_class("proposer_cls", classes.proposer_cls)(config, device)
-            sampler_cls = resolve_class("rejection_sampler_cls", classes.rejection_sampler_cls)
-            self.rejection_sampler = sampler_cls()
+            self.speculator = Speculator(config, device)
         self.model: Any = None
         self.pp_group = SINGLE_STAGE
         """This rank's pipeline stage (the worker's ``set_pp_group``); set by ``load_model``."""
@@ -134,8 +122,8 @@ class ModelRunner(ModelRunnerBase):
         model_len = int(self.hf_config.get("max_position_embeddings") or 2048)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
         self.vocab_size = int(self.hf_config["vocab_size"])
-        if self.proposer is not None:
-            self.proposer.load_model(model)
+        if self.speculator is not None:
+            self.speculator.load_model(model)
 
     def get_kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_token(self.hf_config, self.dtype) * self.block_size
@@ -178,7 +166,10 @@ class ModelRunner(ModelRunnerBase):
             [scheduler_output.num_scheduled_tokens[batch.req_ids[row]] for row in rows],
             dtype=np.int64,
         )
-        drafts = self._write_drafts(rows, scheduler_output.scheduled_spec_decode_tokens)
+        drafts = None
+        if self.speculator is not None:
+            spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+            drafts = self.speculator.write_drafts(batch, rows, spec_tokens)
         input_ids, positions, common = self._prepare_inputs(rows, num_scheduled)
         if self.lora_manager is not None:
             self.lora_manager.set_active_loras([batch.req_ids[row] for row in rows], num_scheduled)
@@ -216,9 +207,11 @@ class ModelRunner(ModelRunnerBase):
         # not advance, so a seed gives the same tokens however the prompt was chunked.
         computed_after = batch.num_computed_tokens[rows] + num_scheduled
         is_partial = computed_after < batch.num_tokens[rows]
-        metadata = (
-            batch.sampling_metadata(rows) if drafts is None else self._expand_metadata(rows, drafts)
-        )
+        if drafts is None:
+            metadata = batch.sampling_metadata(rows)
+        else:
+            assert self.speculator is not None
+            metadata = self.speculator.expand_metadata(batch, rows, drafts)
         last_positions = (ends - 1).tolist()
         saved = {
             p: metadata.generators[p].get_state()
@@ -233,7 +226,10 @@ class ModelRunner(ModelRunnerBase):
             sampled_t = sampler_output.sampled_token_ids
             self.pp_group.broadcast_from_last(sampled_t)  # to earlier stages
         else:
-            logprobs_tensors, verified = self._verify(logits, metadata, drafts)
+            assert self.speculator is not None
+            logprobs_tensors, verified = self.speculator.verify(
+                self.sampler, logits, metadata, drafts
+            )
         for p, state in saved.items():
             metadata.generators[p].set_state(state)
 
@@ -276,79 +272,12 @@ class ModelRunner(ModelRunnerBase):
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=self._propose(rows, sampled_token_ids),
+            spec_token_ids=(
+                self.speculator.propose(batch, rows, sampled_token_ids)
+                if self.speculator is not None
+                else []
+            ),
         )
-
-    # -- speculative decoding ------------------------------------------------------------------
-    def _write_drafts(
-        self, rows: list[int], spec_tokens: dict[str, list[int]]
-    ) -> list[list[int]] | None:
-        """Put each row's drafts after its tokens (where its scheduled tokens are read); returns
-        the drafts per row, or None when no row has any."""
-        if not spec_tokens:
-            return None
-        batch = self.input_batch
-        assert batch is not None
-        drafts = []
-        for row in rows:
-            draft = spec_tokens.get(batch.req_ids[row], [])
-            if draft:
-                num_tokens = int(batch.num_tokens[row])
-                batch.token_ids[row, num_tokens : num_tokens + len(draft)] = draft
-            drafts.append(draft)
-        return drafts
-
-    def _expand_metadata(self, rows: list[int], drafts: list[list[int]]) -> SamplingMetadata:
-        batch = self.input_batch
-        assert batch is not None
-        states = [batch.requests[row] for row in rows]
-        return expand_metadata(
-            [s.sampling_params for s in states],
-            [s.output_token_ids for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.generator for s in states],
-            drafts,
-            self.vocab_size,
-            self.device,
-        )
-
-    def _verify(
-        self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]]
-    ) -> tuple[LogprobsTensors | None, tuple[list[int], list[bool]]]:
-        """The rejection sampler's verdict on the drafts: the logprobs of every position's token,
-        and per position its token and whether its draft was accepted (read back: the step's
-        host sync). ``logits``: [P, V], one row per position."""
-        logits = self.sampler.apply_logits_processors(logits.float(), metadata)
-        draft_ids = torch.tensor(
-            [t for draft in drafts for t in (*draft, -1)], dtype=torch.int64, device=self.device
-        )  # [P]
-        result = self.rejection_sampler.forward(logits, metadata, draft_ids, None)
-        logprobs_tensors = None
-        if metadata.max_num_logprobs is not None:
-            logprobs_tensors = gather_logprobs(
-                logits.log_softmax(dim=-1), metadata.max_num_logprobs, result.token_ids
-            )
-        return logprobs_tensors, (result.token_ids.tolist(), result.is_accepted.tolist())
-
-    def _propose(self, rows: list[int], sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """The proposer's drafts for the next step, per row ([] where it emitted nothing or has a
-        grammar); [] when not speculating."""
-        if self.proposer is None:
-            return []
-        batch = self.input_batch
-        assert batch is not None
-        requests = batch.requests
-        indices = [
-            i
-            for i, row in enumerate(rows)
-            if sampled_token_ids[i] and requests[row].sampling_params.structured_outputs is None
-        ]
-        spec_token_ids: list[list[int]] = [[] for _ in rows]
-        if indices:
-            inputs = ProposalInputs(batch.token_ids, batch.num_tokens, [rows[i] for i in indices])
-            for i, draft in zip(indices, self.proposer.propose(inputs), strict=True):
-                spec_token_ids[i] = draft
-        return spec_token_ids
 
     def _follow_last_stage(self, rows: list[int], num_scheduled: np.ndarray) -> ModelRunnerOutput:
         """A stage before the last: take the tokens the last stage sampled into the batch (the
