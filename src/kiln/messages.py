@@ -128,6 +128,9 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     """Blocks appended to each request's block table this step (often empty)."""
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Pipeline parallelism only (empty otherwise): each request's tokens this step computes.
+    Only the last stage samples, so the earlier ones learn the sampled tokens from here."""
 
 
 @dataclass

@@ -115,12 +115,6 @@ class PipelineParallelGroup:
         assert self.communicator is not None and not self.is_first
         return self.communicator.recv(tensor, self.rank - 1)
 
-    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``tensor`` on every stage (the sampled tokens); identity for one."""
-        if self.communicator is None:
-            return tensor
-        return self.communicator.broadcast(tensor, self.world_size - 1)
-
 
 SINGLE_STAGE = PipelineParallelGroup()
 

@@ -1,19 +1,32 @@
 """The engine core: a scheduler, an executor, and a loop of three calls.
 
 ``step()`` is schedule -> execute -> update: features live inside the scheduler and the model
-runner, never as branches here. The engine core is token ids in, token ids out; it knows nothing
-about text. ``EngineCore`` runs in-process (offline ``LLM``) or inside ``EngineCoreProc`` (a
-separate process that ``kiln serve`` talks to over ZMQ).
+runner, never as branches here. With a pipeline (``executor.max_concurrent_batches > 1``) a step
+is one of the two halves instead (vLLM's batch queue): schedule a batch and hand it over without
+waiting, while the queue has room and the oldest batch is not back; else apply the oldest
+batch's output, waiting for it. Outputs are applied in the order the batches were scheduled; the
+scheduler does not schedule a request whose batch is in flight.
+
+The engine core is token ids in, token ids out; it knows nothing about text. ``EngineCore`` runs
+in-process (offline ``LLM``) or inside ``EngineCoreProc`` (a separate process that ``kiln serve``
+talks to over ZMQ).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from kiln.config import KilnConfig
-from kiln.executor import Executor
-from kiln.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kiln.executor import Executor, ModelOutputFuture
+from kiln.messages import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from kiln.plugins.interfaces import resolve_class, resolve_named_classes
 from kiln.scheduler.request import Request, RequestStatus
 
@@ -52,6 +65,13 @@ class EngineCore:
         self.config = config
         scheduler_cls = resolve_class("scheduler_cls", config.device.scheduler_cls)
         self.scheduler = scheduler_cls(config, num_blocks)
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, ModelOutputFuture]] | None = None
+        """Batches in flight, oldest first (None: one step at a time)."""
+        if self.max_concurrent_batches > 1:
+            self.batch_queue = deque()
+        self.max_num_batches_in_flight = 0
+        """The most batches that were in flight at once (a high-water mark)."""
         num_tokens = num_blocks * config.cache.block_size
         logger.info(
             "KV cache: %d tokens, maximum concurrency at max_model_len: %.2fx",
@@ -87,7 +107,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Unfinished requests, or batches in flight whose outputs are still to be applied."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def sentinels(self) -> list[int]:
         """File descriptors that become readable when a worker process dies (see
@@ -100,6 +121,8 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; returns the outputs of the requests that advanced or finished."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         if not self.scheduler.has_unfinished_requests():
             # Idle (e.g. the last request was just aborted): report it, or the front end's gauges
             # (running, waiting, KV-cache usage) would keep the last busy step's values.
@@ -107,6 +130,28 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def _step_with_batch_queue(
+        self, queue: deque[tuple[SchedulerOutput, ModelOutputFuture]]
+    ) -> EngineCoreOutputs:
+        """Hand over a new batch, or apply the oldest one's output (see the module docstring)."""
+        scheduler = self.scheduler
+        if len(queue) < self.max_concurrent_batches and scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
+            # A step of finished requests only still goes out: the runners drop their state.
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                queue.append(
+                    (scheduler_output, self.executor.execute_model_async(scheduler_output))
+                )
+                self.max_num_batches_in_flight = max(self.max_num_batches_in_flight, len(queue))
+                if len(queue) < self.max_concurrent_batches and not queue[0][1].done():
+                    return EngineCoreOutputs(timestamp=time.monotonic())  # nothing back yet
+            elif not queue:  # nothing to run: ignored requests, failed grammars, idle
+                return scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+        if not queue:
+            return EngineCoreOutputs(scheduler_stats=SchedulerStats(), timestamp=time.monotonic())
+        scheduler_output, future = queue.popleft()
+        return scheduler.update_from_output(scheduler_output, future.result())
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -4,6 +4,11 @@
 ``UniProcExecutor`` runs one worker in the engine core's own process; ``MultiprocExecutor`` one
 process per rank on this machine; ``RayExecutor`` one Ray actor per rank, on a Ray cluster of one
 machine or many.
+
+Batches in flight: with a pipeline of ``N`` stages, ``max_concurrent_batches`` is ``N`` and the
+engine core hands the executor a new batch (``execute_model_async``) while earlier ones are still
+in the pipeline. Every rank runs the batches in the order they were handed over, and their
+outputs come back in that order.
 """
 
 from __future__ import annotations
@@ -19,9 +24,49 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited while the executor needed it."""
 
 
+class ModelOutputFuture(ABC):
+    """A batch's ``ModelRunnerOutput`` on its way back from the workers."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether ``result()`` would return at once (never waits)."""
+
+    @abstractmethod
+    def result(self) -> ModelRunnerOutput:
+        """The output, once the workers have run the batch.
+
+        Raises:
+            WorkerDiedError: a worker exited.
+            RuntimeError: a worker raised.
+        """
+
+
+class DoneOutput(ModelOutputFuture):
+    """An output that is already here."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class Executor(ABC):
     def __init__(self, config: KilnConfig) -> None:
         self.config = config
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches the engine core may have in flight (1: one step at a time)."""
+        return 1
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelOutputFuture:
+        """Hand the workers a batch and return without waiting for its output (workers run
+        batches, and outputs come back, in the order they were handed over)."""
+        return DoneOutput(self.execute_model(scheduler_output))
 
     @staticmethod
     def get_class(config: KilnConfig) -> type[Executor]:
@@ -92,6 +137,11 @@ class Executor(ABC):
 class MultiRankExecutor(Executor):
     """An executor whose workers live in other processes (mp) or actors (Ray): every lifecycle
     call is ``_call(method, *args)`` on all ranks; subclasses say how a call reaches them."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """A pipeline's stages each run a different batch at once: one batch per stage."""
+        return self.config.parallel.pipeline_parallel_size
 
     @abstractmethod
     def _call(self, method: str, *args: Any) -> list[Any]:

@@ -9,7 +9,9 @@ Contract:
 - Each call (``execute_model`` once per step) is serialized once and the same bytes are pushed to
   every rank's socket; every rank runs it; only the output rank (``output_rank``: rank 0, or the
   last pipeline stage) answers ``execute_model`` (its sampled tokens), every rank answers the
-  other calls, and any rank answers with its error.
+  other calls, and any rank answers with its error. ``execute_model_async`` pushes a batch and
+  returns at once: with a pipeline, up to one batch per stage is pushed before the first answer
+  is read (each rank's socket keeps them in order; the answers come back in that order).
 - While it waits for an answer the executor watches the processes: a rank that dies fails the
   call within ``POLL_MS`` with ``WorkerDiedError`` (the engine core then reports the error to
   every request in flight and exits, see ``kiln.engine.core_proc``). Between calls
@@ -45,7 +47,7 @@ import zmq
 
 from kiln.config import KilnConfig
 from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
-from kiln.executor import MultiRankExecutor, WorkerDiedError
+from kiln.executor import ModelOutputFuture, MultiRankExecutor, WorkerDiedError
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -98,6 +100,10 @@ class MultiprocExecutor(MultiRankExecutor):
         self.outputs.bind(f"ipc://{self.ipc_dir}/out")
         self.is_shut_down = False
         self._sentinels: list[int | None] = []
+        self._batch_outputs: dict[int, ModelRunnerOutput] = {}
+        """Answers of batches read off the socket, by batch index, until their future takes them."""
+        self._num_batches_sent = 0
+        self._num_batches_received = 0
 
     def initialize(self) -> None:
         # An offline LLM may be dropped without shutdown: stop its workers at exit all the same.
@@ -131,7 +137,39 @@ class MultiprocExecutor(MultiRankExecutor):
             raise
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output, ranks={self.output_rank})[0]
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelOutputFuture:
+        self._send("execute_model", (scheduler_output,))
+        self._num_batches_sent += 1
+        return _BatchOutput(self, self._num_batches_sent - 1)
+
+    def has_batch_output(self, index: int) -> bool:
+        """Whether batch ``index``'s output has arrived (reads what has, never waits)."""
+        return self._receive_batch_outputs(index, block=False)
+
+    def take_batch_output(self, index: int) -> ModelRunnerOutput:
+        """Batch ``index``'s output, waiting for it (see ``_receive_batch_outputs``)."""
+        self._receive_batch_outputs(index, block=True)
+        return self._batch_outputs.pop(index)
+
+    def _receive_batch_outputs(self, index: int, block: bool) -> bool:
+        """Read the output rank's answers, in order, until batch ``index``'s is here (without
+        ``block``: only those already arrived). Returns whether it is here.
+
+        Raises:
+            WorkerDiedError: a worker exited.
+            RuntimeError: a worker raised (its traceback in the message).
+        """
+        outputs = self._batch_outputs
+        while index not in outputs:
+            if not block and not self.outputs.poll(0):
+                return False
+            [outputs[self._num_batches_received]] = self._wait(
+                {self.output_rank}, OK, None, "execute_model"
+            )
+            self._num_batches_received += 1
+        return True
 
     def sentinels(self) -> list[int]:
         """A pidfd per worker process (readable once it exits), where the kernel has them."""
@@ -183,14 +221,19 @@ class MultiprocExecutor(MultiRankExecutor):
             WorkerDiedError: a worker exited.
             RuntimeError: a worker raised (its traceback in the message).
         """
+        assert self._num_batches_sent == self._num_batches_received, "batches in flight"
+        self._send(method, args)
+        expected = set(range(self.world_size)) if ranks is None else ranks
+        return self._wait(expected, OK, None, method)
+
+    def _send(self, method: str, args: tuple) -> None:
+        """Push ``method(*args)`` to every rank (serialized once)."""
         assert method in CALLS, method
         if self.is_shut_down:
             raise WorkerDiedError("the workers are shut down")
-        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for push in self.inputs:
             push.send(message, copy=False)
-        expected = set(range(self.world_size)) if ranks is None else ranks
-        return self._wait(expected, OK, None, method)
 
     def _wait(self, ranks: set[int], kind: bytes, timeout: float | None, what: str) -> list[Any]:
         """Answers of ``kind`` from ``ranks``, in rank order, watching the processes meanwhile."""
@@ -222,6 +265,19 @@ class MultiprocExecutor(MultiRankExecutor):
                     f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status "
                     f"{proc.returncode} during {what}"
                 )
+
+
+class _BatchOutput(ModelOutputFuture):
+    """Batch ``index``'s output, read off the executor's socket when asked."""
+
+    def __init__(self, executor: MultiprocExecutor, index: int) -> None:
+        self.executor, self.index = executor, index
+
+    def done(self) -> bool:
+        return self.executor.has_batch_output(self.index)
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor.take_batch_output(self.index)
 
 
 def _pidfd(pid: int) -> int | None:

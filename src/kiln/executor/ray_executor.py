@@ -12,7 +12,8 @@ Contract:
   ``initialize`` with its traceback, and everything is released.
 - Each call goes to every rank: its arguments are put in the object store once and the same
   object reaches every actor. ``execute_model`` returns the output rank's answer
-  (``output_rank``); every rank answers the other calls.
+  (``output_rank``); every rank answers the other calls. ``execute_model_async`` submits a batch
+  and returns at once (an actor runs its calls in the order they were submitted).
 - While it waits the executor watches every rank: an actor that dies fails the call within
   ``POLL_S`` of Ray reporting it with ``WorkerDiedError``, a rank that raises fails it with its
   traceback (the engine core then reports the error to every request in flight and exits).
@@ -37,7 +38,7 @@ from typing import Any
 
 from kiln.config import KilnConfig
 from kiln.distributed.parallel_state import output_rank, prepare_tensor_parallel_config
-from kiln.executor import MultiRankExecutor
+from kiln.executor import ModelOutputFuture, MultiRankExecutor
 from kiln.executor.multiproc import (
     CALLS,
     SHUTDOWN_GRACE_S,
@@ -181,7 +182,21 @@ class RayExecutor(MultiRankExecutor):
         self.owns_connection = True
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output)[self.output_rank]
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelOutputFuture:
+        return _RayBatchOutput(self, self._submit("execute_model", scheduler_output))
+
+    def has_batch_output(self, refs: list[Any]) -> bool:
+        """Whether the output rank has answered the batch of ``refs`` (never waits)."""
+        import ray
+
+        ready, _ = ray.wait([refs[self.output_rank]], timeout=0)
+        return bool(ready)
+
+    def take_batch_output(self, refs: list[Any]) -> ModelRunnerOutput:
+        """The output rank's answer to the batch of ``refs``, watching every rank meanwhile."""
+        return self._get(refs, "execute_model")[self.output_rank]
 
     def shutdown(self) -> None:
         """Stop every rank (asked, then killed), free the placement group, disconnect (stopping
@@ -216,12 +231,16 @@ class RayExecutor(MultiRankExecutor):
             WorkerDiedError: an actor died.
             RuntimeError: a rank raised (its traceback in the message).
         """
+        return self._get(self._submit(method, *args), method)
+
+    def _submit(self, method: str, *args: Any) -> list[Any]:
+        """Start ``method(*args)`` on every rank; an object ref per rank, in rank order."""
         import ray
 
         if self.is_shut_down:
             raise WorkerDiedError("the workers are shut down")
         args_ref = ray.put(args)  # serialized once, fetched by every rank
-        return self._get([actor.call.remote(method, args_ref) for actor in self.actors], method)
+        return [actor.call.remote(method, args_ref) for actor in self.actors]
 
     def _get(self, refs: list[Any], what: str, deadline: float | None = None) -> list[Any]:
         """The results of ``refs`` (one per rank, in rank order), failing as soon as any fails."""
@@ -246,6 +265,19 @@ class RayExecutor(MultiRankExecutor):
                 missing = sorted(pending.values())
                 raise TimeoutError(f"ranks {missing} did not {what} within {START_TIMEOUT_S:.0f} s")
         return results
+
+
+class _RayBatchOutput(ModelOutputFuture):
+    """A batch's output: the object refs of every rank's ``execute_model`` call."""
+
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
+        self.executor, self.refs = executor, refs
+
+    def done(self) -> bool:
+        return self.executor.has_batch_output(self.refs)
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor.take_batch_output(self.refs)
 
 
 __all__ = ["RayExecutor", "RayWorker"]

@@ -38,6 +38,15 @@ the budget, the context and ``max_tokens`` hold even if every draft is accepted.
 ``num_computed_tokens`` takes back the rejected drafts (their slots are written over later; only
 full blocks of accepted tokens are cached). A request with a grammar never speculates.
 
+Pipeline parallelism (``parallel.pipeline_parallel_size > 1``): the engine core schedules the
+next batch while earlier ones are still in the pipeline (``kiln.engine.core``). A request in a
+batch in flight (``in_flight``) is not scheduled again, nor preempted, until
+``update_from_output`` has applied that batch; the running requests' tokens go out with the
+step (``CachedRequestData.new_token_ids``) for the stages that do not sample. A batch takes at
+most ``1/N`` of the unfinished requests (rounded up) for a pipeline of ``N`` stages: requests that
+arrive together are split into micro-batches that keep every stage busy, instead of one batch
+that leaves all stages but one idle.
+
 A request that can never fit (``num_prompt_tokens + 1 > max_model_len``, where ``max_model_len`` is
 capped by the whole cache's capacity) is not queued: it finishes as FINISHED_IGNORED (finish reason
 "length", no tokens) in the next ``update_from_output``. The engine core therefore keeps stepping,
@@ -130,6 +139,10 @@ class Scheduler(SchedulerInterface):
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_grammar: list[Request] = []
         """Requests whose grammar is compiling, in arrival order."""
+        self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
+        self.is_pipelined = self.pipeline_parallel_size > 1
+        self.in_flight: set[str] = set()
+        """Pipelined only: requests in a batch that ``update_from_output`` has not applied."""
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -226,9 +239,18 @@ class Scheduler(SchedulerInterface):
         spec_tokens: dict[str, list[int]] = {}
 
         running = self.running
+        in_flight = self.in_flight
+        max_num_batch_reqs = self._max_num_batch_reqs()
         req_index = 0
-        while req_index < len(running) and token_budget > 0:
+        while (
+            req_index < len(running)
+            and token_budget > 0
+            and len(num_scheduled_tokens) < max_num_batch_reqs
+        ):
             request = running[req_index]
+            if in_flight and request.request_id in in_flight:
+                req_index += 1  # its tokens are not back yet
+                continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if drafts:
@@ -237,7 +259,7 @@ class Scheduler(SchedulerInterface):
             num_new_tokens = min(num_new_tokens, token_budget)
             assert num_new_tokens > 0, request
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
-                victim = running.pop()
+                victim = running.pop(self._victim_index(req_index))
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
@@ -247,6 +269,8 @@ class Scheduler(SchedulerInterface):
             cached_reqs.req_ids.append(request.request_id)
             cached_reqs.new_block_ids.append(new_block_ids)
             cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            if self.is_pipelined:
+                cached_reqs.new_token_ids.append(_input_token_ids(request, num_new_tokens))
             num_scheduled_tokens[request.request_id] = num_new_tokens
             if drafts:
                 spec_tokens[request.request_id] = drafts
@@ -257,7 +281,11 @@ class Scheduler(SchedulerInterface):
         waiting = self.waiting
         running_loras = self._running_loras()
         while (
-            not num_preempted and waiting and token_budget > 0 and len(running) < self.max_num_seqs
+            not num_preempted
+            and waiting
+            and token_budget > 0
+            and len(running) < self.max_num_seqs
+            and len(num_scheduled_tokens) < max_num_batch_reqs
         ):
             request = waiting.peek()
             lora = request.lora_request
@@ -303,6 +331,8 @@ class Scheduler(SchedulerInterface):
             token_budget -= num_new_tokens
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        if self.is_pipelined:
+            in_flight.update(num_scheduled_tokens)
         grammar_req_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -340,6 +370,8 @@ class Scheduler(SchedulerInterface):
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         num_finished = 0
+        if self.is_pipelined:
+            self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -514,6 +546,27 @@ class Scheduler(SchedulerInterface):
         stats[1] += num_drafts
         stats[2] += num_accepted
 
+    def _max_num_batch_reqs(self) -> int:
+        """The most requests one batch takes: ``max_num_seqs``, or pipelined a micro-batch's
+        share (see the module docstring)."""
+        if not self.is_pipelined:
+            return self.max_num_seqs
+        num_reqs = len(self.running) + len(self.waiting)
+        return max(1, -(-num_reqs // self.pipeline_parallel_size))
+
+    def _victim_index(self, req_index: int) -> int:
+        """Where in ``running`` the next request to preempt is, while scheduling the one at
+        ``req_index``: the last, or pipelined the last not in flight (its blocks are being
+        written; the request at ``req_index`` is never in flight)."""
+        if not self.in_flight:
+            return -1
+        running = self.running
+        return next(
+            i
+            for i in range(len(running) - 1, req_index - 1, -1)
+            if running[i].request_id not in self.in_flight
+        )
+
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it again, to recompute from scratch."""
         self.kv_cache_manager.free(request)
@@ -536,6 +589,15 @@ class Scheduler(SchedulerInterface):
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)
+
+
+def _input_token_ids(request: Request, num_new_tokens: int) -> list[int]:
+    """The ``num_new_tokens`` tokens the request computes next (from ``num_computed_tokens``)."""
+    start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+    num_prompt = request.num_prompt_tokens
+    if start >= num_prompt:
+        return request.output_token_ids[start - num_prompt : end - num_prompt]
+    return (request.prompt_token_ids + request.output_token_ids)[start:end]
 
 
 def _first_rows(lists: LogprobsLists, num_rows: int) -> LogprobsLists:

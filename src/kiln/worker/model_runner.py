@@ -224,7 +224,6 @@ class ModelRunner(ModelRunnerBase):
             sampler_output = self.sampler(logits, metadata)
             logprobs_tensors = sampler_output.logprobs_tensors
             sampled_t = sampler_output.sampled_token_ids
-            self.pp_group.broadcast_from_last(sampled_t)  # to earlier stages
         else:
             assert self.speculator is not None
             logprobs_tensors, verified = self.speculator.verify(
@@ -280,17 +279,12 @@ class ModelRunner(ModelRunnerBase):
         )
 
     def _follow_last_stage(self, rows: list[int], num_scheduled: np.ndarray) -> ModelRunnerOutput:
-        """A stage before the last: take the tokens the last stage sampled into the batch (the
-        first stage embeds them next step) and answer nothing."""
+        """A stage before the last: count the step's tokens computed and answer nothing, without
+        waiting for the last stage (its sampled tokens come with a later step's
+        ``CachedRequestData.new_token_ids``), so the next batch can start here meanwhile."""
         batch = self.input_batch
         assert batch is not None
-        sampled_t = torch.empty(len(rows), dtype=torch.int64, device=self.device)  # [num_reqs]
-        sampled = self.pp_group.broadcast_from_last(sampled_t).tolist()
-        computed_after = batch.num_computed_tokens[rows] + num_scheduled
-        for i, row in enumerate(rows):
-            batch.num_computed_tokens[row] = computed_after[i]
-            if computed_after[i] >= batch.num_tokens[row]:  # not inside its prompt: sampled
-                batch.append_token(row, sampled[i])
+        batch.num_computed_tokens[rows] += num_scheduled
         return EMPTY_MODEL_RUNNER_OUTPUT
 
     def _apply_grammar_bitmask(
@@ -321,12 +315,18 @@ class ModelRunner(ModelRunnerBase):
             if self.lora_manager is not None:
                 self.lora_manager.remove_request(req_id)
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        for i, (req_id, new_blocks, num_computed) in enumerate(
+            zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
         ):
             row = batch.req_id_to_index[req_id]
             batch.append_blocks(row, new_blocks)
             batch.num_computed_tokens[row] = num_computed
+            if cached.new_token_ids and not self.pp_group.is_last:
+                # Pipelined: the tokens the last stage sampled since this stage last ran it.
+                new_token_ids = cached.new_token_ids[i]
+                num_missing = num_computed + len(new_token_ids) - int(batch.num_tokens[row])
+                for token_id in new_token_ids[len(new_token_ids) - num_missing :]:
+                    batch.append_token(row, token_id)
         for new in scheduler_output.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # resumed after preemption: start afresh
             batch.add_request(new)
