@@ -313,6 +313,18 @@ def test_reader_is_cached_per_loader(tmp_path) -> None:
         loader.reader(str(tmp_path / "missing.gguf"))
 
 
+def test_reader_is_parsed_once_per_process_and_file_version(tmp_path) -> None:
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "llama", hf_weights("llama", tied=True))
+    first = open_gguf(path)
+    # Another loader (the engine's, beside the front end's) and another spelling of the path.
+    assert GGUFLoader().reader(os.path.join(str(tmp_path), ".", "m.gguf")) is first
+    write_gguf(path, "llama", hf_weights("llama", tied=True), rope_theta=500000.0)
+    second = open_gguf(path)
+    assert second is not first
+    assert second.fields["llama.rope.freq_base"].contents() == 500000.0
+
+
 def test_fast_reader_parses_like_gguf_reader(tmp_path) -> None:
     from gguf import GGUFReader
 

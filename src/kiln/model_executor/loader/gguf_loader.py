@@ -13,13 +13,14 @@ block bytes, rows in ``[out, in]`` order, Q/K rows un-permuted: rows are whole b
 float tensors (norms) are yielded as before.
 
 Parsing a GGUF header is slow (``GGUFReader`` slices its memory map once per vocabulary string),
-so each loader instance keeps the readers it opened, and ``open_gguf`` parses from a plain array
-view of the map (~3x faster). The tensor data stay memory-mapped until dequantized one at a
+so ``open_gguf`` parses from a plain array view of the map (~3x faster) and once per process and
+file version. The tensor data stay memory-mapped until dequantized one at a
 time.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -131,28 +132,22 @@ class GGUFLoader(ModelLoader):
 
     name = "gguf"
 
-    def __init__(self) -> None:
-        self._readers: dict[str, GGUFReader] = {}  # real path -> reader
-
     @classmethod
     def can_load(cls, model: str) -> bool:
         return _is_gguf_file(model)
 
     def reader(self, model: str) -> GGUFReader:
-        """The ``gguf.GGUFReader`` of ``model``, opened once per loader instance.
+        """The ``gguf.GGUFReader`` of ``model`` (``open_gguf``: parsed once per process).
 
         Raises:
             FileNotFoundError: ``model`` is not a file.
             ValueError: the file is not GGUF.
         """
-        key = os.path.realpath(model)
-        if key not in self._readers:
-            if not os.path.isfile(key):
-                raise FileNotFoundError(f"GGUF file {model!r} does not exist or is not a file")
-            if not _is_gguf_file(key):
-                raise ValueError(f"{model!r} is not a GGUF file (no 'GGUF' magic)")
-            self._readers[key] = open_gguf(key)
-        return self._readers[key]
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist or is not a file")
+        if not _is_gguf_file(model):
+            raise ValueError(f"{model!r} is not a GGUF file (no 'GGUF' magic)")
+        return open_gguf(model)
 
     def load_hf_config(self, model: str) -> dict[str, Any]:
         """Map the GGUF metadata to ``config.json`` keys.
@@ -315,7 +310,16 @@ class _FastGGUFReader(GGUFReader):
 
 
 def open_gguf(path: str) -> GGUFReader:
-    """A read-only ``gguf.GGUFReader`` of ``path`` (one that parses its header faster)."""
+    """A read-only ``gguf.GGUFReader`` of ``path`` (one that parses its header faster), shared by
+    every caller in the process while the file is unchanged: the tokenizer, the config and the
+    weights of one model each asked for it (about a second per parse of SmolLM2's header)."""
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    return _open_gguf_cached(real, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf_cached(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return _FastGGUFReader(path, "r")
 
 
