@@ -4,10 +4,12 @@ which slot.
 ``LoRAModelManager(model, ...)`` replaces each of the model's adaptable linear layers (Kiln's
 fused ``qkv_proj`` and ``gate_up_proj``, and ``o_proj``, ``down_proj``) by a ``LoRALinear``
 around it: the base layer's output plus the ``lora_apply`` op over ``max_loras`` slots of stacked
-A and B weights, ``max_lora_rank`` wide. Each step the runner calls ``set_active_loras`` with the
-step's requests; the manager loads the adapters the step needs into slots (evicting the least
-recently used adapter no request of the step needs) and sets every token's slot, ``-1`` for a
-base-model token. A step without adapters adds nothing and costs nothing.
+A and B weights, ``max_lora_rank`` wide (a fused layer's slices share one shrink and one expand:
+its slices' A rows are stacked, its B is block-diagonal). Each step the runner calls
+``set_active_loras`` with the step's requests; the manager loads the adapters the step needs into
+slots (evicting the least recently used adapter no request of the step needs) and builds the
+step's ``LoRAMapping`` (every token's slot, ``-1`` for a base-model token), which every layer
+shares. A step without adapters adds nothing and costs nothing.
 
 Contract with the scheduler: a step names at most ``max_loras`` distinct adapters (the scheduler
 holds back requests for another one). Tensor parallelism is refused (``ValueError``): the slots
@@ -31,15 +33,15 @@ from kiln.config import LoRAConfig
 from kiln.lora.peft import LORA_MODULES, LoRAAdapter, load_adapter
 from kiln.lora.request import LoRARequest
 from kiln.model_executor.layers.linear import LinearBase
-from kiln.model_executor.layers.lora import LoRAApply
+from kiln.model_executor.layers.lora import LoRAApply, LoRAMapping
 
 
 @dataclass
 class LoRAStep:
     """What every ``LoRALinear`` reads in a forward, set once per step by the manager."""
 
-    token_lora_indices: torch.Tensor | None = None
-    """[num_tokens] int64: each token's slot, -1 for the base model; None: no adapter this step."""
+    mapping: LoRAMapping | None = None
+    """Each token's slot; None: no adapter this step."""
 
 
 class LoRALinear(nn.Module):
@@ -71,35 +73,36 @@ class LoRALinear(nn.Module):
         self.projections = projections
         self.output_slices = tuple(base.output_partition_sizes)
         assert len(self.output_slices) == len(projections), (base.prefix, projections)
-        shape_a = (len(projections), num_slots, max_rank, base.input_size)
+        self.max_rank = max_rank
+        width = len(projections) * max_rank
+        # The op's layout: A rows of every slice stacked, B transposed and block-diagonal.
+        shape_a, shape_b = (num_slots, width, base.input_size), (num_slots, width, base.output_size)
         self.register_buffer("lora_a", torch.zeros(shape_a, dtype=dtype, device=device))
-        self.register_buffer(
-            "lora_b", torch.zeros(base.output_size, num_slots, max_rank, dtype=dtype, device=device)
-        )
+        self.register_buffer("lora_b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.step = step
         self.lora_apply = LoRAApply()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [T, out]
-        indices = self.step.token_lora_indices
-        if indices is None:
+        mapping = self.step.mapping
+        if mapping is None:
             return y
-        return self.lora_apply(y, x, self.lora_a, self.lora_b, indices, self.output_slices)
+        return self.lora_apply(y, x, self.lora_a, self.lora_b, mapping)
 
     def set_slot(
         self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None], scaling: float
     ) -> None:
         """Put one adapter's ``(A [r, in], B [out_i, r])`` per slice (None: the slice is not
         adapted) into ``slot``, ``B`` scaled; the rest of the slot is zeroed."""
-        self.lora_a[:, slot] = 0
-        self.lora_b[:, slot] = 0
+        self.lora_a[slot] = 0
+        self.lora_b[slot] = 0
         offset = 0
         for i, (size, pair) in enumerate(zip(self.output_slices, weights, strict=True)):
             if pair is not None:
                 a, b = pair
-                rank = a.shape[0]
-                self.lora_a[i, slot, :rank] = a
-                self.lora_b[offset : offset + size, slot, :rank] = b * scaling
+                rows = slice(i * self.max_rank, i * self.max_rank + a.shape[0])
+                self.lora_a[slot, rows] = a
+                self.lora_b[slot, rows, offset : offset + size] = (b * scaling).T
             offset += size
 
 
@@ -170,7 +173,7 @@ class LoRAModelManager:
         tokens (back to back, as the model sees them).
 
         Side effects: loads adapters into slots (reading their folders); sets
-        ``step.token_lora_indices``.
+        ``step.mapping``.
 
         Raises:
             RuntimeError: the step names more than ``max_loras`` adapters (a scheduler bug).
@@ -178,7 +181,7 @@ class LoRAModelManager:
         loras = [self._requests.get(req_id) for req_id in req_ids]
         needed = {lora.lora_int_id: lora for lora in loras if lora is not None}
         if not needed:
-            self.step.token_lora_indices = None
+            self.step.mapping = None
             return
         if len(needed) > self.max_loras:
             raise RuntimeError(
@@ -195,8 +198,7 @@ class LoRAModelManager:
         per_req = np.array(
             [-1 if lora is None else slot_of[lora.lora_int_id] for lora in loras], dtype=np.int64
         )
-        indices = np.repeat(per_req, num_scheduled)  # [num_tokens]
-        self.step.token_lora_indices = torch.from_numpy(indices).to(self.device)
+        self.step.mapping = LoRAMapping(np.repeat(per_req, num_scheduled), self.device)
 
     def _free_slot(self, needed: dict[int, LoRARequest]) -> int:
         """An empty slot, else the least recently used one whose adapter the step does not
