@@ -9,7 +9,8 @@ machine with other ones builds its own. It returns None, once logged, when the b
 compiler): callers then keep the reference implementations. ``python -m kiln_x86.kernels``
 builds it ahead of time (Kiln's set-up script does). ``load_extension(stem, source)`` builds
 and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kiln_x86.attention``;
-``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``).
+``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``; ``x86_lora.cpp``:
+``kiln_x86.lora``).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from kiln_x86.gemv import load_gemv_kernels  # csrc/x86_gemv.cpp (tiled int8 matmul)
+    from kiln_x86.lora import load_lora_kernels  # csrc/x86_lora.cpp (LoRA at decode sizes)
     from kiln_x86.quant import load_quant_kernels  # csrc/x86_quant.cpp (GGUF matmul)
 
     built = (
@@ -137,6 +139,7 @@ if __name__ == "__main__":
         and load_extension("kiln_x86_attention", ATTENTION_SOURCE, ATTENTION_CFLAGS)
         and load_quant_kernels()
         and load_gemv_kernels()
+        and load_lora_kernels()
     )
     print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
     raise SystemExit(0 if built else 1)

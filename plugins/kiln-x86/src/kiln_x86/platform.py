@@ -175,10 +175,12 @@ class X86Platform(CpuPlatform):
     @classmethod
     def register_ops(cls) -> None:
         from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+        from kiln_x86.lora import register_x86_lora
         from kiln_x86.ops import register_x86_ops
 
         super().register_ops()
         register_x86_ops()
+        register_x86_lora()
         # Accept the reference platform's section too, so that its documented
         # --plugin-config '{"cpu": {"num_threads": N}}' keeps working where x86 is selected.
         PLUGIN_CONFIG_REGISTRY.declare(CPU_SECTION, CpuOptions)

@@ -102,6 +102,8 @@ class LoRAApply(CustomOp):
         for slices, indices, dtype in cases:
             num_slots, rank, in_features = 3, 4, 16
             lora_a, lora_b = random_slots(slices, num_slots, rank, in_features, generator)
+            # An adapter's scale: a delta small beside the base output, as trained ones are.
+            lora_a, lora_b = lora_a / in_features**0.5, 0.1 * lora_b
             y = torch.randn(len(indices), sum(slices), generator=generator).to(dtype)
             x = torch.randn(len(indices), in_features, generator=generator).to(dtype)
             mapping = LoRAMapping(np.array(indices, dtype=np.int64), x.device)
