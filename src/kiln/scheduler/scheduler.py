@@ -22,13 +22,8 @@ end's: it aborts the request through ``finish_requests``. Logprobs come from the
 and per request; the scheduler only routes them into the request's output (prompt logprobs with
 its first token).
 
-Structured outputs (``kiln.structured_output``): a request with ``structured_outputs`` waits in
-``WAITING_FOR_GRAMMAR``, outside the waiting queue, while its grammar compiles in a thread; each
-``schedule()`` first moves the ready ones into the queue (a compile that failed or ran past
-``structured_outputs.max_compile_seconds`` finishes its request with finish reason "error"), so
-the others are scheduled meanwhile. For the requests that sample this step it fills one bitmask
-row each (``SchedulerOutput.grammar_bitmask``); ``update_from_output`` advances each request's
-matcher by its new tokens. A preempted request keeps its matcher: its output tokens stay.
+Structured outputs: a request waits outside the queue while its grammar compiles, and a step's
+structured requests get bitmask rows (``kiln.scheduler.grammar_waitlist``).
 
 Speculative decoding (``kiln.spec_decode``): the runner proposes drafts for a request in the step
 that samples its token (``ModelRunnerOutput.spec_token_ids``); the next ``schedule()`` gives that
@@ -58,13 +53,10 @@ The scheduler knows nothing about tensors, devices or text: token ids and block 
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import logging
 import time
 from collections.abc import Iterable
 from itertools import count
-
-import numpy as np
 
 from kiln.config import KilnConfig
 from kiln.messages import (
@@ -78,15 +70,12 @@ from kiln.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from kiln.scheduler.grammar_waitlist import GrammarWaitlist, grammar_bitmask
 from kiln.scheduler.interface import SchedulerInterface
 from kiln.scheduler.kv_cache.manager import KVCacheManager
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.structured_output import StructuredOutputManager
-
-# While only grammar compiles are pending, schedule() waits this long for one instead of letting
-# the engine loop spin against the compiling threads.
-_GRAMMAR_POLL_SECONDS = 0.005
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +126,7 @@ class Scheduler(SchedulerInterface):
         self._num_preemptions = 0
         self._spec_stats = [0, 0, 0]  # drafts, draft tokens, accepted tokens since make_stats()
         self.structured_output_manager = StructuredOutputManager(config)
-        self.waiting_for_grammar: list[Request] = []
-        """Requests whose grammar is compiling, in arrival order."""
+        self.waiting_for_grammar = GrammarWaitlist(self.structured_output_manager)
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
         self.is_pipelined = self.pipeline_parallel_size > 1
         self.in_flight: set[str] = set()
@@ -172,12 +160,8 @@ class Scheduler(SchedulerInterface):
         key = (request.priority, request.arrival_time, next(self._seq))
         self._keys[request_id] = key
         self.requests[request_id] = request
-        structured_outputs = request.sampling_params.structured_outputs
-        if structured_outputs is not None:
-            request.grammar = self.structured_output_manager.submit(structured_outputs)
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
-            request.grammar_wait_start = time.monotonic()
-            self.waiting_for_grammar.append(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.waiting_for_grammar.add(request)
             return
         self.waiting.add(request, key)
 
@@ -333,7 +317,9 @@ class Scheduler(SchedulerInterface):
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.is_pipelined:
             in_flight.update(num_scheduled_tokens)
-        grammar_req_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled_tokens)
+        grammar_req_ids, bitmask = grammar_bitmask(
+            self.structured_output_manager, self.requests, num_scheduled_tokens
+        )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -341,7 +327,7 @@ class Scheduler(SchedulerInterface):
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=finished_req_ids,
             structured_output_request_ids=grammar_req_ids,
-            grammar_bitmask=grammar_bitmask,
+            grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=spec_tokens,
         )
 
@@ -444,66 +430,19 @@ class Scheduler(SchedulerInterface):
 
     def _admit_ready_grammars(self) -> None:
         """Queue the requests whose grammar compiled; finish those whose compile failed or ran
-        past ``max_compile_seconds`` with finish reason "error" (the message in ``stop_reason``).
-        While nothing else can run, wait briefly for a compile instead of spinning."""
-        pending = self.waiting_for_grammar
-        if not self.running and not self.waiting:
-            concurrent.futures.wait(
-                [r.grammar for r in pending if r.grammar is not None],
-                timeout=_GRAMMAR_POLL_SECONDS,
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
-        now = time.monotonic()
-        max_seconds = self.structured_output_manager.max_compile_seconds
-        still_pending: list[Request] = []
-        for request in pending:
-            grammar = request.grammar
-            assert grammar is not None
-            error = None
-            if grammar.done():
-                try:
-                    request.matcher = self.structured_output_manager.make_matcher(
-                        grammar, request.prompt_token_ids
-                    )
-                except Exception as exc:  # a compile error of any kind ends this request only
-                    error = f"structured_outputs: {exc}"
-            elif now - request.grammar_wait_start > max_seconds:
-                error = (
-                    f"structured_outputs: the grammar did not compile within {max_seconds} s "
-                    "(structured_outputs.max_compile_seconds)"
-                )
-            else:
-                still_pending.append(request)
-                continue
-            if error is None:
-                request.status = RequestStatus.WAITING
-                self.waiting.add(request, self._keys[request.request_id])
-                continue
+        past ``max_compile_seconds`` with finish reason "error" (the message in ``stop_reason``)."""
+        is_idle = not self.running and not self.waiting
+        ready, failed = self.waiting_for_grammar.take_done(is_idle)
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request, self._keys[request.request_id])
+        for request, error in failed:
             logger.error("request %s failed: %s", request.request_id, error)
             request.status = RequestStatus.FINISHED_ERROR
             self._ignored[request.request_id] = EngineCoreOutput(
                 request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error
             )
             self._free_request(request)
-        self.waiting_for_grammar = still_pending
-
-    def _grammar_bitmask(
-        self, num_scheduled_tokens: dict[str, int]
-    ) -> tuple[list[str], np.ndarray | None]:
-        """The structured requests that sample this step, and their bitmask rows in that order."""
-        req_ids: list[str] = []
-        matchers = []
-        for request_id, num_tokens in num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if (
-                request.matcher is not None
-                and request.num_computed_tokens + num_tokens >= request.num_tokens
-            ):
-                req_ids.append(request_id)
-                matchers.append(request.matcher)
-        if not matchers:
-            return req_ids, None
-        return req_ids, self.structured_output_manager.fill_bitmask(matchers)
 
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status (and ``stop_reason``) when the last token ends the request."""

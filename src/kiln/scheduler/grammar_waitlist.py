@@ -1,0 +1,109 @@
+"""Structured outputs in the scheduler (``kiln.structured_output``): the requests whose grammar is
+compiling, and the bitmask of a step's structured requests.
+
+A request with ``structured_outputs`` waits in ``WAITING_FOR_GRAMMAR``, outside the waiting queue,
+while its grammar compiles in a thread; each ``schedule()`` first takes the ready ones out
+(``GrammarWaitlist.take_done``) and queues them, and finishes with finish reason "error" those
+whose compile failed or ran past ``structured_outputs.max_compile_seconds``, so the others are
+scheduled meanwhile. For the requests that sample in a step it fills one bitmask row each
+(``SchedulerOutput.grammar_bitmask``); ``update_from_output`` advances each request's matcher by
+its new tokens. A preempted request keeps its matcher: its output tokens stay.
+
+This module knows the requests and the grammar manager, not the scheduler's queues.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import numpy as np
+
+from kiln.scheduler.request import Request, RequestStatus
+from kiln.structured_output import StructuredOutputManager
+
+_GRAMMAR_POLL_SECONDS = 0.005
+"""While only grammar compiles are pending, ``take_done`` waits this long for one instead of
+letting the engine loop spin against the compiling threads."""
+
+
+class GrammarWaitlist:
+    """The requests whose grammar is compiling, in arrival order."""
+
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        self.manager = manager
+        self.requests: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request) -> None:
+        """Start compiling the request's grammar. Side effects: sets its ``grammar``, status
+        ``WAITING_FOR_GRAMMAR`` and ``grammar_wait_start``."""
+        assert request.sampling_params.structured_outputs is not None
+        request.grammar = self.manager.submit(request.sampling_params.structured_outputs)
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        request.grammar_wait_start = time.monotonic()
+        self.requests.append(request)
+
+    def remove(self, request: Request) -> None:
+        self.requests.remove(request)
+
+    def take_done(self, is_idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Take out the requests whose compile is over: those ready (their ``matcher`` made),
+        and those whose compile failed or ran past ``max_compile_seconds``, with the error. With
+        ``is_idle`` (nothing else to run) it first waits briefly for a compile."""
+        if is_idle:
+            concurrent.futures.wait(
+                [r.grammar for r in self.requests if r.grammar is not None],
+                timeout=_GRAMMAR_POLL_SECONDS,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        now = time.monotonic()
+        max_seconds = self.manager.max_compile_seconds
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        pending: list[Request] = []
+        for request in self.requests:
+            grammar = request.grammar
+            assert grammar is not None
+            if grammar.done():
+                try:
+                    request.matcher = self.manager.make_matcher(grammar, request.prompt_token_ids)
+                    ready.append(request)
+                except Exception as exc:  # a compile error of any kind ends this request only
+                    failed.append((request, f"structured_outputs: {exc}"))
+            elif now - request.grammar_wait_start > max_seconds:
+                error = (
+                    f"structured_outputs: the grammar did not compile within {max_seconds} s "
+                    "(structured_outputs.max_compile_seconds)"
+                )
+                failed.append((request, error))
+            else:
+                pending.append(request)
+        self.requests = pending
+        return ready, failed
+
+
+def grammar_bitmask(
+    manager: StructuredOutputManager,
+    requests: dict[str, Request],
+    num_scheduled_tokens: dict[str, int],
+) -> tuple[list[str], np.ndarray | None]:
+    """The structured requests that sample this step, and their bitmask rows in that order."""
+    req_ids: list[str] = []
+    matchers = []
+    for request_id, num_tokens in num_scheduled_tokens.items():
+        request = requests[request_id]
+        if (
+            request.matcher is not None
+            and request.num_computed_tokens + num_tokens >= request.num_tokens
+        ):
+            req_ids.append(request_id)
+            matchers.append(request.matcher)
+    if not matchers:
+        return req_ids, None
+    return req_ids, manager.fill_bitmask(matchers)
+
+
+__all__ = ["GrammarWaitlist", "grammar_bitmask"]
