@@ -111,8 +111,10 @@ def model_pass(path: str, rows_list: list[int], repeat: int, threads_list: list[
     """Every linear of the real GGUF once (a decode step's matmuls, the LM head included), in
     model order, so that the weights stream from memory as they do when decoding (a model's
     worth of weights is larger than the caches): dense bf16, the exact float kernel (row layout),
-    the row layout's int8 kernel, the tiled int8 kernel (``kiln_x86.gemv``) and dequantize +
-    GEMM, interleaved in each round. Thread CPU time at 1 thread, wall time at more."""
+    the row layout's int8 kernel, the tiled weights' VNNI kernel alone at every row count, the tiled
+    weights as served (``gemv.matmul``: VNNI below ``AMX_MIN_ROWS`` rows, AMX tiles from there
+    where they run) and dequantize + GEMM (the exact path's prefill), interleaved in each round.
+    Thread CPU time at 1 thread, wall time at more."""
     reader = gguf.GGUFReader(path)
     packed, tiled, dense = [], [], []
     for t in reader.tensors:
@@ -136,12 +138,14 @@ def model_pass(path: str, rows_list: list[int], repeat: int, threads_list: list[
         "bf16 dense",
         "float kernel (exact)",
         "int8 kernel, row layout",
-        "int8 kernel, tiled",
+        "int8 VNNI kernel only",
+        "int8 tiled (served)",
         "dequantize + GEMM",
     ]
     print("| threads | rows | " + " | ".join(f"{c}, ms" for c in columns) + " |")
     print("|---|---|" + "---|" * len(columns))
-    threshold, tiled_threshold = quant.MAX_KERNEL_ROWS, quant.TILED_MAX_ROWS
+    threshold = quant.MAX_KERNEL_ROWS
+    ext = gemv.load_gemv_kernels() if tiled else None
     for threads in threads_list:
         torch.set_num_threads(threads)
         clock = time.thread_time if threads == 1 else time.perf_counter
@@ -154,18 +158,25 @@ def model_pass(path: str, rows_list: list[int], repeat: int, threads_list: list[
 
             def run_quant(max_kernel_rows: int, int8_max_rows: int, xs=xs, weights=packed):
                 quant.MAX_KERNEL_ROWS = max_kernel_rows
-                quant.TILED_MAX_ROWS = max_kernel_rows  # the tiled weights' kernel alone
                 try:
                     for p in weights:
                         quant.matmul(xs[p.in_features], p, int8_max_rows)
                 finally:
-                    quant.MAX_KERNEL_ROWS, quant.TILED_MAX_ROWS = threshold, tiled_threshold
+                    quant.MAX_KERNEL_ROWS = threshold
 
+            def run_vnni(xs=xs) -> None:  # the decode kernel at every row count
+                for p in tiled:
+                    ext.gemv(xs[p.in_features], p.data, *p.args())
+
+            # The register kernels' columns only where they finish in reasonable time.
+            small = rows <= 128
             runs = [
                 run_dense,
-                lambda rows=rows: run_quant(rows, 0),
-                lambda rows=rows: run_quant(0, rows),  # Q6_K (none in the default model): dense
-                (lambda rows=rows: run_quant(rows, 0, weights=tiled)) if tiled else None,
+                (lambda rows=rows: run_quant(rows, 0)) if small else None,
+                # Q6_K (none in the default model): dense
+                (lambda rows=rows: run_quant(0, rows)) if small else None,
+                run_vnni if tiled and rows <= 512 else None,
+                (lambda: run_quant(0, 0, weights=tiled)) if tiled else None,
                 lambda: run_quant(0, 0),
             ]
             best = [float("inf")] * len(runs)

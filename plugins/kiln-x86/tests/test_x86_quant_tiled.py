@@ -105,16 +105,89 @@ def test_tiled_rows_do_not_depend_on_the_batch_or_threads() -> None:
     tiled, _, _ = tiled_case(T.Q4_1, 70, 576, seed=9)
     # float32 results: a bfloat16 result's rounding would hide a last-bit difference.
     x = torch.randn(16, 576, generator=torch.Generator().manual_seed(1))
+    batched = same_on_one_and_two_threads(lambda: quant.matmul(x, tiled))
+    for i in (0, 7, 8, 15):
+        assert torch.equal(quant.matmul(x[i : i + 1], tiled)[0], batched[i])
+
+
+def same_on_one_and_two_threads(run) -> torch.Tensor:
+    """``run()``'s result on 1 thread, checked equal to its result on 2."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        batched = quant.matmul(x, tiled)
+        one = run()
         torch.set_num_threads(2)
-        assert torch.equal(quant.matmul(x, tiled), batched)
+        assert torch.equal(run(), one)
     finally:
         torch.set_num_threads(threads)
-    for i in (0, 7, 8, 15):
-        assert torch.equal(quant.matmul(x[i : i + 1], tiled)[0], batched[i])
+    return one
+
+
+def decode_rows(x: torch.Tensor, tiled: gemv.TiledWeight) -> torch.Tensor:
+    """Each row of x through the decode kernel alone (``gemv``, one row per call)."""
+    ext = gemv.load_gemv_kernels()
+    return torch.cat([ext.gemv(x[i : i + 1], tiled.data, *tiled.args()) for i in range(len(x))])
+
+
+PREFILL_ROWS = (1, 63, 64, 65, 200, 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_every_row_count_gives_the_decode_kernels_rows(qtype: T, dtype: torch.dtype) -> None:
+    """A row's result is the one-row decode kernel's, bit for bit, whatever the call's row count
+    (AMX tiles from ``AMX_MIN_ROWS`` rows where they run, else the VNNI kernel in chunks; row
+    counts across 16-row tiles, 64-row batches and 256-row chunks), with N not a multiple of 16.
+    float32 results show a last-bit difference in the sums; bfloat16 ones the output rounding."""
+    gen = torch.Generator().manual_seed(11)
+    tiled, _, _ = tiled_case(qtype, 45, in_sizes(qtype)[1], seed=5)
+    x = (torch.randn(max(PREFILL_ROWS), tiled.in_features, generator=gen) * 3).to(dtype)
+    x[5, 32:64] = 0.0  # an all-zero activation block
+    want = decode_rows(x, tiled)
+    for rows in PREFILL_ROWS:
+        assert torch.equal(quant.matmul(x[:rows], tiled), want[:rows]), rows
+
+
+def test_prefill_without_amx_gives_the_same_rows(monkeypatch) -> None:
+    """Where the AMX kernel may not run, many rows go through the VNNI kernel in chunks of
+    ``CHUNK_ROWS``: the same rows again."""
+    tiled, _, _ = tiled_case(T.Q4_1, 37, 96, seed=6)
+    x = torch.randn(200, 96, generator=torch.Generator().manual_seed(3))
+    want = quant.matmul(x, tiled)
+    monkeypatch.setattr(gemv, "amx_available", lambda: False)
+    assert torch.equal(quant.matmul(x, tiled), want)
+    assert torch.equal(want, decode_rows(x, tiled))
+
+
+@pytest.mark.skipif(not gemv.amx_available(), reason="needs AMX-INT8 and Linux's tile permission")
+def test_amx_kernel_runs_from_its_row_count_on_any_thread_count(monkeypatch) -> None:
+    tiled, _, _ = tiled_case(T.Q8_0, 70, 576, seed=8)
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(4))
+    ext, calls = gemv.load_gemv_kernels(), []
+    monkeypatch.setattr(gemv, "load_gemv_kernels", lambda: SpyKernels(ext, calls))
+    same_on_one_and_two_threads(lambda: quant.matmul(x, tiled))
+    quant.matmul(x[: gemv.AMX_MIN_ROWS - 1], tiled)
+    assert calls == ["gemm_amx", "gemm_amx", "gemv"]
+
+
+class SpyKernels:
+    """The extension's kernels, noting which one each call ran."""
+
+    def __init__(self, ext, calls: list[str]) -> None:
+        self.ext, self.calls = ext, calls
+
+    def __getattr__(self, name: str):
+        kernel = getattr(self.ext, name)
+        return lambda *args: self.calls.append(name) or kernel(*args)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_prefill_rows_within_the_int8_bound(qtype: T) -> None:
+    gen = torch.Generator().manual_seed(12)
+    tiled, w_ref, w_min = tiled_case(qtype, 21, in_sizes(qtype)[1], seed=4)
+    for rows, dtype in ((65, torch.float32), (200, torch.bfloat16)):
+        x = (torch.randn(rows, tiled.in_features, generator=gen) * 3).to(dtype)
+        assert_within_int8_bound(quant.matmul(x, tiled), x, w_ref, w_min)
 
 
 def test_tiled_size_against_the_gguf_bytes() -> None:
@@ -147,7 +220,8 @@ def test_real_gguf_tensors(name: str, gguf_tensors) -> None:
     assert torch.equal(quant.dequantize(tiled), w_ref)
     w_min = mins_of(qtype, raw, shape)
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 16):
+    # 100 rows: the prefill kernel (the 49152-row table's float64 reference would take seconds).
+    for rows in (1, 16) if out_features > 10_000 else (1, 16, 100):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
         assert_within_int8_bound(quant.matmul(x, tiled), x, w_ref, w_min)
 

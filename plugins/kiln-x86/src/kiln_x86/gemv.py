@@ -11,8 +11,13 @@ Contract:
   scales and mins). See the C++ file for the byte layout.
 - ``matmul(x, tiled)``: ``x [rows, in]`` float32 or bfloat16 -> ``[rows, out]`` in x's dtype,
   with x rounded to int8 per block of 32 (llama.cpp's Q8 activations; not exact: each activation
-  moves by at most half its block's step, ``max|x| / 254``). A row's result does not depend on
-  the call's other rows or on the thread count.
+  moves by at most half its block's step, ``max|x| / 254``), for any number of rows: up to
+  ``AMX_MIN_ROWS - 1`` rows the AVX512-VNNI kernel (``gemv``), from ``AMX_MIN_ROWS`` the AMX
+  kernel (``gemm_amx``) where the CPU and Linux allow tiles, else the VNNI kernel over chunks of
+  ``CHUNK_ROWS`` rows. Every path computes a (row, channel) result with the same integer sums
+  and the same float operations in the same order, so a row's result does not depend on the
+  call's other rows, on the path or on the thread count, bit for bit (a prefix-cache hit's short
+  prefill, a decode and a whole prompt's prefill agree).
 - ``rows(tiled, ids, dtype)``: the weight's rows ``ids``, ``gguf.quants.dequantize``'s values
   exactly in float32 (embedding lookups, dense fallbacks).
 
@@ -39,6 +44,11 @@ from kiln_x86.cpuinfo import cpu_flags
 SOURCE = Path(__file__).parent / "csrc" / "x86_gemv.cpp"
 TILE = 16
 BLOCK = 32
+AMX_MIN_ROWS = 65
+"""Rows from which ``matmul`` runs the AMX kernel (where it may): the VNNI kernel's rows stay as
+they were measured for decode; the results are the same either way."""
+CHUNK_ROWS = 64
+"""Rows per VNNI call where AMX is absent: a chunk's rounded activations stay in cache."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +102,9 @@ def _build_flags() -> list[str]:
     # The build's name hashes its flags: naming VNNI keeps an AVX-512 CPU without it (whose
     # -march=native build has no kernel) from sharing a cached build with one that has it.
     # Cached: matmul asks for the extension on every call.
-    vnni = "avx512_vnni" in cpu_flags()
-    return [*kernels.CFLAGS, f"-DKILN_X86_CPU_VNNI={int(vnni)}"]
+    flags = cpu_flags()
+    vnni, amx = "avx512_vnni" in flags, "amx_int8" in flags and "amx_tile" in flags
+    return [*kernels.CFLAGS, f"-DKILN_X86_CPU_VNNI={int(vnni)}", f"-DKILN_X86_CPU_AMX={int(amx)}"]
 
 
 def load_gemv_kernels() -> Any:
@@ -120,9 +131,10 @@ def _register_traced() -> None:
     def dequantize_fake(data, ids, n, k, bits, group, mins, f16, offset, dtype):
         return data.new_empty(ids.numel(), k, dtype=dtype)
 
-    for name, fake in (("gemv", gemv_fake), ("dequantize", dequantize_fake)):
+    fakes = (("gemv", gemv_fake), ("gemm_amx", gemv_fake), ("dequantize", dequantize_fake))
+    for name, fake in fakes:
         if not hasattr(ops, name):
-            continue  # gemv is built only with AVX512-VNNI
+            continue  # gemv is built only with AVX512-VNNI, gemm_amx with AMX-INT8 too
         try:
             torch.library.register_fake(f"kiln_x86_gemv::{name}")(fake)
         except RuntimeError:
@@ -134,6 +146,14 @@ def available() -> bool:
     """Whether the tiled int8 kernel runs here (compiled, with AVX512-VNNI)."""
     ext = load_gemv_kernels()
     return ext is not None and hasattr(ext, "gemv")
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the AMX kernel runs here: built with AMX-INT8, and Linux lets this process use
+    tiles (asked once per process)."""
+    ext = load_gemv_kernels()
+    return ext is not None and hasattr(ext, "gemm_amx") and bool(ext.amx_ready())
 
 
 def pack(
@@ -179,8 +199,19 @@ def pack(
 
 
 def matmul(x: torch.Tensor, tiled: TiledWeight) -> torch.Tensor:
-    """``x [rows, in] @ W.T`` with x rounded to int8 per block of 32 (see the module doc)."""
-    return load_gemv_kernels().gemv(x, tiled.data, *tiled.args())
+    """``x [rows, in] @ W.T`` with x rounded to int8 per block of 32, any number of rows (see the
+    module doc)."""
+    ext, rows = load_gemv_kernels(), x.shape[0]
+    if rows < AMX_MIN_ROWS:
+        return ext.gemv(x, tiled.data, *tiled.args())
+    if amx_available():
+        return ext.gemm_amx(x, tiled.data, *tiled.args())
+    out = x.new_empty(rows, tiled.out_features)
+    for start in range(0, rows, CHUNK_ROWS):
+        out[start : start + CHUNK_ROWS] = ext.gemv(
+            x[start : start + CHUNK_ROWS], tiled.data, *tiled.args()
+        )
+    return out
 
 
 def rows(tiled: TiledWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -191,4 +222,15 @@ def rows(tiled: TiledWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     )
 
 
-__all__ = ["FORMATS", "TiledWeight", "available", "load_gemv_kernels", "matmul", "pack", "rows"]
+__all__ = [
+    "AMX_MIN_ROWS",
+    "CHUNK_ROWS",
+    "FORMATS",
+    "TiledWeight",
+    "amx_available",
+    "available",
+    "load_gemv_kernels",
+    "matmul",
+    "pack",
+    "rows",
+]

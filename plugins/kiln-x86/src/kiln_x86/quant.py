@@ -22,8 +22,9 @@ scales and mins per block in float32: not exact against the dequantized weights 
 int8 step of each activation block per weight).
 ``pack(..., tiled=True)`` (the linear method with ``int8_activations``, where
 ``kiln_x86.gemv.available()``) keeps the weight only in ``kiln_x86.gemv``'s tiled layout instead:
-``matmul`` then runs its int8 kernel up to ``TILED_MAX_ROWS`` rows (16 output channels per
-``vpdpbusd``, same activation rounding), ``embedding`` and ``dequantize`` read the same tiles.
+``matmul`` then runs its int8 kernels for every row count (``gemv.matmul``: 16 output channels per
+``vpdpbusd``, AMX tiles for prefill, same activation rounding, the same result per row whatever
+the row count), ``embedding`` and ``dequantize`` read the same tiles.
 Otherwise up to ``MAX_KERNEL_ROWS`` rows run the C++ kernel, which reads each weight once and
 dequantizes it in registers (decode is bound by reading the weights); more rows dequantize the
 weight and run torch's dense GEMM in x's dtype (prefill is bound by the GEMM, and oneDNN's bf16
@@ -62,15 +63,12 @@ SUPPORTED_TYPES = (
 
 # Rows up to which matmul runs the C++ kernel; above, dequantize + dense GEMM (measured: README).
 MAX_KERNEL_ROWS = 8
-# Rows up to which groups of 32 (all but Q6_K) run the int8 kernel where it is built (AVX512-VNNI:
-# activations rounded to int8 per block of 32, integer dot products); measured: README. Only when
-# the x86 section's ``int8_activations`` is set (``linear_methods``): with it, a prefix-cache hit's
-# short prefill took that path where the uncached prompt's did not, and the default model's
-# greedy answer to the same chat prompt changed (from "Paris").
+# Rows up to which groups of 32 (all but Q6_K) run the row layout's int8 kernel where it is built
+# (AVX512-VNNI: activations rounded to int8 per block of 32, integer dot products), when a caller
+# asks for it (``matmul``'s ``int8_max_rows``; ``quant_bench.py``). The linear methods do not: a
+# prefix-cache hit's short prefill then took that path where the uncached prompt's did not, and
+# the default model's greedy answer to the same chat prompt changed (from "Paris").
 INT8_ROWS = 16
-# Rows up to which a ``TiledWeight`` (``kiln_x86.gemv``) runs the int8 kernel; above, dequantize +
-# dense GEMM (measured: README).
-TILED_MAX_ROWS = 64
 # Output channels dequantized at a time for the dense GEMM: a few MiB, so that a large weight
 # (the 49152-row LM head) is never expanded whole.
 DENSE_TILE_ROWS = 4096
@@ -318,7 +316,7 @@ def matmul(
 ) -> torch.Tensor:
     """``x @ W.T`` for the packed weight W: ``[..., in_features] -> [..., out_features]``; up to
     ``int8_max_rows`` rows with the activations rounded to int8 where the kernel is built (a
-    ``TiledWeight``: up to ``TILED_MAX_ROWS`` rows, whatever ``int8_max_rows``).
+    ``TiledWeight``: every row count, whatever ``int8_max_rows``).
 
     Raises:
         ValueError: x's last dim is not ``in_features``, or x is neither float32 nor bfloat16.
@@ -331,7 +329,7 @@ def matmul(
         raise ValueError(f"x.dtype={x.dtype} is not supported; allowed: float32, bfloat16")
     x2 = x.reshape(-1, packed.in_features)
     if isinstance(packed, TiledWeight):
-        out = _tiled_matmul(x2, packed)
+        out = gemv.matmul(x2, packed)
         return out.reshape(*x.shape[:-1], packed.out_features)
     ext = load_quant_kernels()
     if int8_kernel_applies(ext, packed, x2.shape[0], int8_max_rows):
@@ -350,16 +348,3 @@ def matmul(
             w = _dequantize_rows(packed, packed.qweight[rows], packed.scales[rows], mins, x.dtype)
             out[:, rows] = torch.nn.functional.linear(x2, w)
     return out.reshape(*x.shape[:-1], packed.out_features)
-
-
-def _tiled_matmul(x2: torch.Tensor, packed: TiledWeight) -> torch.Tensor:
-    """``x2 [rows, in] @ W.T``: the int8 kernel up to ``TILED_MAX_ROWS`` rows, else the weight
-    dequantized ``DENSE_TILE_ROWS`` output channels at a time and torch's dense GEMM."""
-    if x2.shape[0] <= TILED_MAX_ROWS:
-        return gemv.matmul(x2, packed)
-    out = x2.new_empty(x2.shape[0], packed.out_features)
-    for start in range(0, packed.out_features, DENSE_TILE_ROWS):
-        stop = min(start + DENSE_TILE_ROWS, packed.out_features)
-        w = gemv.rows(packed, torch.arange(start, stop), x2.dtype)
-        out[:, start:stop] = torch.nn.functional.linear(x2, w)
-    return out

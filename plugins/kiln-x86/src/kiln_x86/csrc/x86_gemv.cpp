@@ -21,6 +21,14 @@
 //   acc += float(isum) * (scale * dx) [+ min * (dx * sum(qx))].
 // Every (row, channel) result is computed the same way whatever the number of rows or threads:
 // a row's result does not depend on the other rows of the call.
+//
+// gemm_amx, for many rows (prefill) where the CPU has AMX-INT8: the same rounded activations and
+// the same per-block float part, with a block's int32 sums for 16 rows x 16 channels from one
+// tdpbssd (Q6_K: one per half block), up to 4 row groups per weight tile load. The tile layout is
+// AMX's B-tile layout already (a row of 64 bytes = 16 channels x 4 inputs); unpacked to signed
+// bytes u - offset, a block's sums are the VNNI kernel's integer sums exactly, and the float part
+// runs the same operations in the same order, so every (row, channel) result equals gemv's bit for
+// bit (the tests check it).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -35,6 +43,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KILN_GEMV_VNNI 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KILN_GEMV_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -147,10 +160,12 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
 }
 
+// Rows m0..m1 of x, each on its own (the same values whichever call or thread rounds a row).
 template <typename T>
-void quantize_acts(const T* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* s16) {
+void quantize_acts(const T* x, int64_t m0, int64_t m1, int64_t K, int8_t* q, float* dx,
+                   int32_t* s16) {
   const int64_t nb = K / kBlock;
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + m * K + b * kBlock;
       const __m512 a = load16(xb), c = load16(xb + 16);
@@ -381,27 +396,40 @@ void gemv_kernel(const Layout& w, const Acts& a, int64_t M, T* out) {
   });
 }
 
-template <typename T>
-void gemv_dispatch(const Layout& w, const Acts& a, int64_t M, T* out) {
+template <int kBits, int kGroups, bool kMins, bool kF16>
+struct GemvKernel {
+  template <typename T>
+  static void run(const Layout& w, const Acts& a, int64_t M, T* out) {
+    gemv_kernel<kBits, kGroups, kMins, kF16>(w, a, M, out);
+  }
+};
+
+// Kernel<bits, groups, mins, f16>::run(w, args...) for w's format.
+template <template <int, int, bool, bool> class Kernel, typename... Args>
+void dispatch_format(const Layout& w, Args... args) {
   const int code = static_cast<int>(w.bits) * 100 + static_cast<int>(w.groups) * 10 +
                    (w.mins ? 2 : 0) + (w.f16 ? 1 : 0);
   switch (code) {
-    case 411: return gemv_kernel<4, 1, false, true>(w, a, M, out);   // Q4_0
-    case 413: return gemv_kernel<4, 1, true, true>(w, a, M, out);    // Q4_1
-    case 811: return gemv_kernel<8, 1, false, true>(w, a, M, out);   // Q8_0
-    case 412: return gemv_kernel<4, 1, true, false>(w, a, M, out);   // Q4_K
-    case 512: return gemv_kernel<5, 1, true, false>(w, a, M, out);   // Q5_K
-    case 620: return gemv_kernel<6, 2, false, false>(w, a, M, out);  // Q6_K
+    case 411: return Kernel<4, 1, false, true>::run(w, args...);   // Q4_0
+    case 413: return Kernel<4, 1, true, true>::run(w, args...);    // Q4_1
+    case 811: return Kernel<8, 1, false, true>::run(w, args...);   // Q8_0
+    case 412: return Kernel<4, 1, true, false>::run(w, args...);   // Q4_K
+    case 512: return Kernel<5, 1, true, false>::run(w, args...);   // Q5_K
+    case 620: return Kernel<6, 2, false, false>::run(w, args...);  // Q6_K
     default: TORCH_CHECK(false, "no tiled kernel for this format (code ", code, ")");
   }
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-d [rows, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x's dtype ",
+              x.scalar_type(), " is not supported (float32, bfloat16)");
 }
 
 // x [M, K] (float32 or bfloat16) @ w.T -> [M, N] in x's dtype.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t bits,
                 int64_t group, bool mins, bool f16, int64_t offset) {
-  TORCH_CHECK(x.dim() == 2, "x must be 2-d [rows, in_features]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x's dtype ",
-              x.scalar_type(), " is not supported (float32, bfloat16)");
+  check_x(x);
   const Layout w = make_layout(data, N, x.size(1), bits, group, mins, f16, offset);
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = w.K;
@@ -415,14 +443,282 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t 
   dx.resize(M * w.nb);
   s16.resize(M * 2 * w.nb);
   if (xc.scalar_type() == at::kFloat)
-    quantize_acts(xc.data_ptr<float>(), M, K, q.data(), dx.data(), s16.data());
+    quantize_acts(xc.data_ptr<float>(), 0, M, K, q.data(), dx.data(), s16.data());
   else
-    quantize_acts(xc.data_ptr<c10::BFloat16>(), M, K, q.data(), dx.data(), s16.data());
+    quantize_acts(xc.data_ptr<c10::BFloat16>(), 0, M, K, q.data(), dx.data(), s16.data());
   const Acts a{q.data(), dx.data(), s16.data()};
-  if (out.scalar_type() == at::kFloat) gemv_dispatch(w, a, M, out.data_ptr<float>());
-  else gemv_dispatch(w, a, M, out.data_ptr<c10::BFloat16>());
+  if (out.scalar_type() == at::kFloat)
+    dispatch_format<GemvKernel>(w, a, M, out.data_ptr<float>());
+  else
+    dispatch_format<GemvKernel>(w, a, M, out.data_ptr<c10::BFloat16>());
   return out;
 }
+
+#if defined(KILN_GEMV_AMX)
+
+// Linux gives a process AMX's tile data only on request; until then a tile instruction faults.
+// Asked once per process; false where the kernel (or a hypervisor) refuses.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+constexpr int64_t kChunkRows = 256;  // rows per work item (a tile's weights unpacked once each)
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: int32 sums [16 rows, 16 channels] in tiles 0..3, one per row group of a batch (Q6_K:
+// two row groups, tiles 2 i and 2 i + 1 for its half blocks); activations [16 rows, 32 / groups
+// bytes] in tiles 4, 5 (alternating row groups, or Q6_K's halves), the block's weights [32 /
+// groups / 4 rows, 64 bytes] in 6 (Q6_K: 6, 7). Tile state is per thread: each task configures
+// it. (gcc's tile intrinsics take literal tile numbers.)
+constexpr TileConfig tile_config(int groups) {
+  const int bytes = static_cast<int>(kBlock) / groups;
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 4; t < 6; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = bytes;
+    cfg.rows[t + 2] = bytes / 4;
+    cfg.colsb[t + 2] = 64;
+  }
+  return cfg;
+}
+
+template <int kGroups>
+void configure_tiles() {
+  // Static: gcc's _tile_loadconfig tells the compiler it reads 8 bytes of the 64, so a local
+  // config's other stores could be dropped.
+  static constexpr TileConfig kConfig = tile_config(kGroups);
+  _tile_loadconfig(&kConfig);
+}
+
+// One tile's weights as signed bytes u - offset, [nb][8 x 64] (row h * 4 + j: inputs 16 h + 4 j
+// + t of the 16 channels), the B tiles of its blocks.
+template <int kBits>
+void unpack_signed(const Layout& w, int64_t tile, int8_t* dst) {
+  constexpr int kPlanes = kBits == 8 ? 0 : kBits - 4;
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(w.offset));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* rec = w.data + tile * w.nb * w.rec;
+  for (int64_t b = 0; b < w.nb; ++b, rec += w.rec, dst += 512) {
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo, hi;
+      if constexpr (kBits == 8) {
+        lo = _mm512_loadu_si512(rec + j * 64);
+        hi = _mm512_loadu_si512(rec + (4 + j) * 64);
+      } else {
+        const __m512i v = _mm512_loadu_si512(rec + j * 64);
+        lo = _mm512_and_si512(v, low4);
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (kPlanes > 0) {
+          const uint8_t* masks = rec + 256 + j * 2 * kPlanes * 8;
+          lo = add_planes<kBits>(lo, masks);
+          hi = add_planes<kBits>(hi, masks + kPlanes * 8);
+        }
+      }
+      // u - offset fits int8 for every format (Q8_0: 0..255 - 128), so the wrap is exact.
+      _mm512_storeu_si512(dst + j * 64, _mm512_sub_epi8(lo, offset));
+      _mm512_storeu_si512(dst + (4 + j) * 64, _mm512_sub_epi8(hi, offset));
+    }
+  }
+}
+
+// One block's int32 sums for `groups16` (1..4 / groups) row groups of 16 rows (xq: the first row's
+// block, rows K bytes apart), stored to sums [row group][half][16 rows][16 channels].
+template <int kGroups>
+inline void block_sums(const int8_t* xq, int64_t K, const int8_t* wq, int groups16,
+                       int32_t* sums) {
+  constexpr int64_t kSums = 16 * kTile;
+  const int64_t next = 16 * K;
+  if constexpr (kGroups == 1) {
+    _tile_loadd(6, wq, 64);
+    _tile_zero(0);
+    _tile_loadd(4, xq, K);
+    _tile_dpbssd(0, 4, 6);
+    if (groups16 > 1) {
+      _tile_zero(1);
+      _tile_loadd(5, xq + next, K);
+      _tile_dpbssd(1, 5, 6);
+    }
+    if (groups16 > 2) {
+      _tile_zero(2);
+      _tile_loadd(4, xq + 2 * next, K);
+      _tile_dpbssd(2, 4, 6);
+    }
+    if (groups16 > 3) {
+      _tile_zero(3);
+      _tile_loadd(5, xq + 3 * next, K);
+      _tile_dpbssd(3, 5, 6);
+    }
+    _tile_stored(0, sums, 64);
+    if (groups16 > 1) _tile_stored(1, sums + kSums, 64);
+    if (groups16 > 2) _tile_stored(2, sums + 2 * kSums, 64);
+    if (groups16 > 3) _tile_stored(3, sums + 3 * kSums, 64);
+  } else {
+    _tile_loadd(6, wq, 64);
+    _tile_loadd(7, wq + 256, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(4, xq, K);
+    _tile_loadd(5, xq + 16, K);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 5, 7);
+    if (groups16 > 1) {
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, xq + next, K);
+      _tile_loadd(5, xq + next + 16, K);
+      _tile_dpbssd(2, 4, 6);
+      _tile_dpbssd(3, 5, 7);
+    }
+    _tile_stored(0, sums, 64);
+    _tile_stored(1, sums + kSums, 64);
+    if (groups16 > 1) {
+      _tile_stored(2, sums + 2 * kSums, 64);
+      _tile_stored(3, sums + 3 * kSums, 64);
+    }
+  }
+}
+
+// The rounded activations as the AMX kernel reads them: q [padded rows, K] as gemv's, and per
+// block b the rows' dx and dx * sum(qx) (tile_rows' min factor, formed as it forms it) at b *
+// padded + row, so that 16 rows' factors sit side by side. Rows past M are zeros.
+struct BlockActs {
+  const int8_t* q;
+  const float* dx;
+  const float* dsum;
+  int64_t padded;
+};
+
+// One block's float part for `rows` rows (tile_rows' operations in its order): acc += float(isum)
+// * (scale * dx) per group [+ min * (dx * sum(qx))]; acc [rows][16 channels].
+template <int kGroups, bool kMins, bool kF16>
+inline void add_block(const float* dx, const float* dsum, const uint8_t* sp, const int32_t* sums,
+                      int rows, float* acc) {
+  constexpr int64_t kScale = kF16 ? 2 : 4;
+  __m512 scale[kGroups];
+  for (int g = 0; g < kGroups; ++g) scale[g] = load_scales<kF16>(sp + g * kTile * kScale);
+  const __m512 mins = kMins ? load_scales<kF16>(sp + kGroups * kTile * kScale) : scale[0];
+  for (int r = 0; r < rows; ++r) {
+    const __m512 d = _mm512_set1_ps(dx[r]);
+    const int32_t* s = sums + ((r / 16) * kGroups * 16 + r % 16) * kTile;
+    __m512 v = _mm512_load_ps(acc + r * kTile);
+    for (int g = 0; g < kGroups; ++g) {
+      const __m512i isum = _mm512_load_si512(s + g * 16 * kTile);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale[g], d), v);
+    }
+    if constexpr (kMins) v = _mm512_fmadd_ps(mins, _mm512_set1_ps(dsum[r]), v);
+    _mm512_store_ps(acc + r * kTile, v);
+  }
+}
+
+// Up to 64 / groups rows r0.. (padded to whole row groups: q, dx, dsum hold zeros past M) x the
+// 16 channels of `tile` into acc [rows][16]. A batch of row groups shares each block's weight
+// tile; a block's sums are read one block after their tile stores (two buffers): loads right
+// behind a tile store wait for it to retire, which stalled the float part on every block.
+template <int kBits, int kGroups, bool kMins, bool kF16>
+void amx_rows(const Layout& w, const BlockActs& a, const int8_t* wq, int64_t tile, int64_t r0,
+              int groups16, float* acc) {
+  constexpr int64_t kSums = 4 * 16 * kTile;
+  const int64_t K = w.K, nb = w.nb;
+  const int rows = groups16 * 16;
+  alignas(64) int32_t sums[2][kSums];
+  std::fill(acc, acc + rows * kTile, 0.0f);
+  const uint8_t* sp = w.data + tile * nb * w.rec + weight_bytes(kBits);
+  const int8_t* xq = a.q + r0 * K;
+  const float* dx = a.dx + r0;
+  const float* dsum = a.dsum + r0;
+  for (int64_t b = 0; b <= nb; ++b) {
+    if (b < nb) block_sums<kGroups>(xq + b * kBlock, K, wq + b * 512, groups16, sums[b & 1]);
+    if (b > 0) {
+      const int64_t p = b - 1;
+      add_block<kGroups, kMins, kF16>(dx + p * a.padded, dsum + p * a.padded, sp + p * w.rec,
+                                      sums[p & 1], rows, acc);
+    }
+  }
+}
+
+template <int kBits, int kGroups, bool kMins, bool kF16>
+struct AmxKernel {
+  // Work items: (chunk of kChunkRows rows, output tile), chunk-major, split over threads.
+  template <typename T>
+  static void run(const Layout& w, const BlockActs& a, int64_t M, T* out) {
+    const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+    at::parallel_for(0, chunks * w.tiles, 1, [&](int64_t i0, int64_t i1) {
+      configure_tiles<kGroups>();
+      std::vector<int8_t> wq(w.nb * 512);
+      alignas(64) float res[64 * kTile];
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t chunk = i / w.tiles, t = i % w.tiles;
+        unpack_signed<kBits>(w, t, wq.data());
+        // gcc's tile loads do not tell the compiler they read memory: the stores land first.
+        asm volatile("" ::: "memory");
+        const int64_t n0 = t * kTile;
+        const __mmask16 mask = static_cast<__mmask16>((1u << std::min(kTile, w.N - n0)) - 1);
+        const int64_t r1 = std::min(M, (chunk + 1) * kChunkRows);
+        constexpr int64_t kBatch = 64 / kGroups;
+        for (int64_t r0 = chunk * kChunkRows; r0 < r1; r0 += kBatch) {
+          const int64_t rows = std::min<int64_t>(kBatch, r1 - r0);
+          amx_rows<kBits, kGroups, kMins, kF16>(w, a, wq.data(), t, r0, (rows + 15) / 16, res);
+          for (int64_t r = 0; r < rows; ++r)
+            store_row(res + r * kTile, out + (r0 + r) * w.N + n0, mask);
+        }
+      }
+      _tile_release();
+    });
+  }
+};
+
+// gemv's result for any number of rows through AMX tiles (the rows rounded in parallel).
+at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t bits,
+                    int64_t group, bool mins, bool f16, int64_t offset) {
+  check_x(x);
+  TORCH_CHECK(amx_ready(), "this process may not use AMX tiles (arch_prctl refused)");
+  const Layout w = make_layout(data, N, x.size(1), bits, group, mins, f16, offset);
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = w.K, nb = w.nb;
+  auto out = at::empty({M, N}, xc.options());
+  if (M == 0) return out;
+  const int64_t padded = (M + 15) / 16 * 16;
+  std::vector<int8_t> q(padded * K);
+  std::vector<float> dx(M * nb), dx_t(nb * padded, 0.0f), dsum_t(nb * padded, 0.0f);
+  std::vector<int32_t> s16(M * 2 * nb);
+  std::fill(q.begin() + M * K, q.end(), 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    if (xc.scalar_type() == at::kFloat)
+      quantize_acts(xc.data_ptr<float>(), m0, m1, K, q.data(), dx.data(), s16.data());
+    else
+      quantize_acts(xc.data_ptr<c10::BFloat16>(), m0, m1, K, q.data(), dx.data(), s16.data());
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t i = m * nb + b;
+        dx_t[b * padded + m] = dx[i];
+        dsum_t[b * padded + m] = dx[i] * static_cast<float>(s16[2 * i] + s16[2 * i + 1]);
+      }
+    }
+  });
+  const BlockActs a{q.data(), dx_t.data(), dsum_t.data(), padded};
+  if (out.scalar_type() == at::kFloat)
+    dispatch_format<AmxKernel>(w, a, M, out.data_ptr<float>());
+  else
+    dispatch_format<AmxKernel>(w, a, M, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+#endif  // KILN_GEMV_AMX
 
 #endif  // KILN_GEMV_VNNI
 
@@ -465,6 +761,11 @@ TORCH_LIBRARY(kiln_x86_gemv, m) {
       "gemv(Tensor x, Tensor data, int N, int bits, int group, bool mins, bool f16, int offset) -> "
       "Tensor");
 #endif
+#if defined(KILN_GEMV_AMX)
+  m.def(
+      "gemm_amx(Tensor x, Tensor data, int N, int bits, int group, bool mins, bool f16, int "
+      "offset) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(kiln_x86_gemv, CPU, m) {
@@ -472,11 +773,18 @@ TORCH_LIBRARY_IMPL(kiln_x86_gemv, CPU, m) {
 #if defined(KILN_GEMV_VNNI)
   m.impl("gemv", &gemv);
 #endif
+#if defined(KILN_GEMV_AMX)
+  m.impl("gemm_amx", &gemm_amx);
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "rows of a tiled GGUF weight, float32 or bfloat16");
 #if defined(KILN_GEMV_VNNI)
   m.def("gemv", &gemv, "x @ w.T for a tiled GGUF weight, activations rounded to int8 (VNNI)");
+#endif
+#if defined(KILN_GEMV_AMX)
+  m.def("gemm_amx", &gemm_amx, "gemv's results for many rows, through AMX tiles");
+  m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (asks Linux once)");
 #endif
 }
