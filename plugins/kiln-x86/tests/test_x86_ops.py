@@ -108,3 +108,16 @@ def test_the_default_models_norm_weights(gguf_path):
     got, _ = ops.rms_norm(norm, x, residual)
     want, _ = norm.forward_native(x, residual)
     assert torch.equal(got, want)
+
+
+def test_kernels_take_only_cpu_float32_and_bfloat16_calls():
+    norm = RMSNorm(8, 1e-6, torch.bfloat16)
+    x = torch.randn(2, 8).bfloat16()
+    assert ops._rms_norm_supports(norm, x)
+    assert ops._rms_norm_supports(norm, x, x.clone())
+    assert not ops._rms_norm_supports(norm, x, x.float())  # residual of another dtype
+    assert not ops._rms_norm_supports(norm, x.half())
+    assert ops._silu_supports(None, x.float())
+    assert not ops._silu_supports(None, x.half())
+    assert not ops._silu_supports(None, x.to(torch.int64))
+    assert not ops._silu_supports(None, torch.empty(2, 8, device="meta"))  # not on the CPU

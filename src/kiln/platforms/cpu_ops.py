@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kiln.model_executor.custom_op import register_impl
+from kiln.model_executor.layers.linear import UnquantizedLinearMethod
 
 PROVIDER = "onednn"
 
@@ -46,7 +47,7 @@ def _is_dense_bf16(x: torch.Tensor, weight: Any) -> bool:
     return (
         x.dtype == torch.bfloat16
         and x.dim() == 2
-        and x.device.type == "cpu"
+        and x.is_cpu
         and isinstance(weight, torch.Tensor)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
@@ -54,8 +55,6 @@ def _is_dense_bf16(x: torch.Tensor, weight: Any) -> bool:
 
 
 def _linear_supports(op: Any, x: torch.Tensor) -> bool:
-    from kiln.model_executor.layers.linear import UnquantizedLinearMethod
-
     # Only dense weights: a quantized method owns its own product. Not under torch.compile: the
     # cached packed copy cannot be traced, and the compiler packs weights itself (freezing).
     return (

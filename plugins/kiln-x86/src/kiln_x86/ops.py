@@ -36,8 +36,12 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _KERNELS: Any = None
 
 
-def _is_cpu(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.dtype in _DTYPES) for t in tensors)
+def _is_cpu(x: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+    """Whether ``x`` and ``other`` (if given) are CPU tensors of a dtype the kernels take (called
+    on every op call: ``is_cpu``, not ``device.type``, which builds a device object)."""
+    if not x.is_cpu or x.dtype not in _DTYPES:
+        return False
+    return other is None or (other.is_cpu and other.dtype in _DTYPES)
 
 
 # -- add + RMSNorm ----------------------------------------------------------------------------
