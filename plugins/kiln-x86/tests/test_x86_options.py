@@ -112,17 +112,23 @@ from kiln.config import KilnConfig, PluginConfig
 from kiln.plugins import init_process
 config = init_process("engine", KilnConfig(plugins=PluginConfig(sections={SECTIONS})))
 from kiln.platforms import current_platform
-print(current_platform.get_quant_config("gguf", config).method_cls.int8_max_rows)
+print(current_platform.get_quant_config("gguf", config).method_cls.__name__)
 """
+INT8 = "X86GGUFInt8ActivationsLinearMethod"
 
 
 @pytest.mark.parametrize(
     "sections, expected",
-    [({}, "0"), ({"x86": {"int8_activations": True}}, "16"), ({"x86": {}}, "0")],
+    [
+        ({}, INT8),
+        ({"x86": {}}, INT8),
+        ({"x86": {"int8_activations": True}}, INT8),
+        ({"x86": {"int8_activations": False}}, "X86GGUFLinearMethod"),
+    ],
 )
-def test_int8_activations_are_opt_in(sections, expected):
-    # Off unless asked for: with them, a prefix-cached prompt's short prefill took the int8 path
-    # where the whole prompt did not, and the same chat question got another greedy answer.
+def test_int8_activations_are_the_default(sections, expected):
+    # On unless turned off: every row count runs the int8 kernels with the same result per row,
+    # so a prefix-cached prompt's short prefill and the whole prompt agree.
     proc = run_python(["-c", INT8_SWITCH.replace("{SECTIONS}", repr(sections))])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-1] == expected

@@ -1,9 +1,10 @@
 """kiln-x86's quantized linear methods (``kiln_x86.linear_methods``) through Kiln's quant_config
 path, against Kiln's reference methods (``kiln.model_executor.layers.quantization``).
 
-- GGUF: the default model loaded with the platform's config keeps every weight in
-  ``kiln_x86.quant``'s layout, within 1.3x of the file's size, and its layers (fused linears,
-  quantized embedding, tied LM head) agree with the reference's in float32.
+- GGUF: the default model loaded with the exact method (``x86.int8_activations`` off) keeps
+  every weight in ``kiln_x86.quant``'s layout, within 1.3x of the file's size, and its layers
+  (fused linears, quantized embedding, tied LM head) agree with the reference's in float32 (the
+  default int8 method: ``test_x86_quant_tiled.py``).
 - int8 / int4 on a small random Llama: the platform's torch kernels agree with the reference
   methods' dequantized products on the same quantized weights.
 - Perplexity (slow, two fresh processes): the default model as x86 runs it by default (kept
@@ -20,7 +21,7 @@ import sys
 import pytest
 import torch
 from kiln_x86 import quant
-from kiln_x86.linear_methods import X86Int4LinearMethod, X86Int8LinearMethod
+from kiln_x86.linear_methods import X86GGUFLinearMethod, X86Int4LinearMethod, X86Int8LinearMethod
 from kiln_x86.platform import X86Platform
 
 from kiln.model_executor.layers.linear import LinearBase
@@ -37,8 +38,7 @@ from kiln.testing.models import save_tiny_model
 @pytest.fixture(scope="module")
 def reference_and_x86(gguf_path):
     reference, _ = load_model(gguf_path, torch.float32, quant_config=GGUFQuantConfig())
-    x86_config = X86Platform.get_quant_config("gguf", None)
-    x86, _ = load_model(gguf_path, torch.float32, quant_config=x86_config)
+    x86, _ = load_model(gguf_path, torch.float32, quant_config=GGUFQuantConfig(X86GGUFLinearMethod))
     return reference, x86
 
 
@@ -57,8 +57,8 @@ def test_gguf_weights_stay_in_the_kernels_layout(reference_and_x86, gguf_path) -
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])  # the kernel's rows, and above them
 def test_gguf_layers_agree_with_the_reference(reference_and_x86, num_tokens) -> None:
     # The float kernels, exact but for the order of sums: this checks the layers' wiring. The
-    # int8 kernel (activations rounded, opt-in) is bounded against the reference in
-    # test_x86_quant.py.
+    # int8 kernels (activations rounded, the default) are bounded against the reference in
+    # test_x86_quant.py and test_x86_quant_tiled.py.
     reference, x86 = reference_and_x86
     gen = torch.Generator().manual_seed(num_tokens)
     layer = 7

@@ -46,11 +46,13 @@ class X86Options:
     """Cores kept for ``kiln serve``'s API server, which is pinned to them (the model's threads are
     not). Default: 0 on machines with fewer than 4 usable cores (measured on 2 cores: the model
     gains more from both cores than the API server loses), else 1."""
-    int8_activations: bool = False
-    """Kept-quantized GGUF weights: run matmuls of up to 16 rows with activations rounded to int8
-    per block of 32 (AVX512-VNNI integer dot products; about 1.2x faster matmuls at 1 row and
-    1.4x at 8, perplexity +0.2%). Off by default: results then depend on whether a prompt's
-    prefix was cached (its short tail prefill takes the int8 path, the whole prompt does not)."""
+    int8_activations: bool = True
+    """Kept-quantized GGUF weights: round the activations to int8 per block of 32 and multiply
+    with integer dot products (``kiln_x86.gemv``: AVX512-VNNI for decode, AMX tiles for prefill
+    where the CPU has them), for every row count, with the same result per row whatever the row
+    count, so a prefix-cached prompt and the whole prompt agree. Where the CPU lacks AVX512-VNNI
+    it changes nothing (the exact kernels run). ``false``: the exact float kernels (weights
+    dequantized in registers; prefill dequantizes and runs the dense bf16 GEMM)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.int8_activations, bool):
