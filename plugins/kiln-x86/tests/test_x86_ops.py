@@ -121,3 +121,29 @@ def test_kernels_take_only_cpu_float32_and_bfloat16_calls():
     assert not ops._silu_supports(None, x.half())
     assert not ops._silu_supports(None, x.to(torch.int64))
     assert not ops._silu_supports(None, torch.empty(2, 8, device="meta"))  # not on the CPU
+
+
+def test_tiled_gguf_layers_call_the_kernel_directly(gguf_path):
+    from kiln_x86 import gemv
+    from kiln_x86.linear_methods import X86GGUFInt8ActivationsLinearMethod
+
+    from kiln.model_executor.custom_op import OP_REGISTRY
+    from kiln.model_executor.layers.quantization import GGUFQuantConfig
+    from kiln.model_executor.model_loader import load_model
+
+    if not gemv.available():
+        pytest.skip("the tiled int8 kernel needs AVX512-VNNI")
+    config = GGUFQuantConfig(X86GGUFInt8ActivationsLinearMethod)
+    model, _ = load_model(gguf_path, torch.bfloat16, quant_config=config)
+    previous = OP_REGISTRY.device_type
+    OP_REGISTRY.select_device("cpu")
+    try:
+        gen = _gen(3)
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            layer = model.get_submodule(f"model.layers.5.{name}")
+            for rows in (1, 16, 64, 65, 130):  # the decode kernel's rows, and AMX's
+                x = torch.randn(rows, layer.input_size, generator=gen).bfloat16()
+                assert layer.selected_impl(x) == ops.PROVIDER
+                assert torch.equal(layer(x), layer.forward_native(x)), (name, rows)
+    finally:
+        OP_REGISTRY.select_device(previous)

@@ -64,6 +64,13 @@ class X86GGUFInt8ActivationsLinearMethod(X86GGUFLinearMethod):
             return super().pack(raw, qtype, out_features, in_features)
         return quant.pack(raw, qtype, out_features, in_features, tiled=True)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        # A layer that is one tiled weight gets kiln_x86.ops' direct ``linear`` kernel call.
+        parts = getattr(layer, "gguf_parts", None)
+        if parts is not None and len(parts) == 1 and isinstance(parts[0][1], gemv.TiledWeight):
+            layer.x86_tiled = parts[0][1]
+
 
 class X86Int8LinearMethod(Int8LinearMethod):
     """int8 per output channel through ``aten._weight_int8pack_mm`` (scales kept in the

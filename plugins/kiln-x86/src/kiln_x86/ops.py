@@ -6,7 +6,10 @@ Contract: each function has the signature and result of the op's ``forward_nativ
 ``(query, key)``; ``silu_and_mul(op, x)`` -> ``silu(x[..., :d]) * x[..., d:]``. add + RMSNorm and
 SiLU-and-mul run the reference's ATen ops in its order (bit-identical results); the rotary kernel
 rounds where the reference rounds (float32 to float32 precision, bfloat16 bit for bit in all but
-rare last-bit cases). The conformance kit compares each with ``forward_native``.
+rare last-bit cases). ``linear(op, x)``, for layers whose GGUF weight is one
+``kiln_x86.gemv`` tiled weight (``x86_tiled``, set by the int8 linear method): that weight's
+int8 product, bit for bit what the method's ``apply`` returns, minus its Python layers. The
+conformance kit compares each with ``forward_native``.
 
 ``register_x86_ops()`` registers the C++ kernels (``kiln_x86.kernels``) under provider
 ``kiln_x86``, for float32 and bfloat16 CPU tensors; where they cannot be built nothing is
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.model_executor.custom_op import register_impl
+from kiln_x86 import gemv
 from kiln_x86.kernels import load_kernels
 
 PROVIDER = "kiln_x86"
@@ -34,6 +38,8 @@ PRIORITY = 20
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _KERNELS: Any = None
+_GEMV: Any = None
+"""``kiln_x86.gemv``'s extension where its kernel is built, else None (no ``linear`` op)."""
 
 
 def _is_cpu(x: torch.Tensor, other: torch.Tensor | None = None) -> bool:
@@ -125,6 +131,29 @@ def silu_and_mul_torch(op: Any, x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]).mul_(x[..., d:])
 
 
+# -- linear: GGUF weights in kiln_x86.gemv's tiled layout ------------------------------------
+def _linear_supports(op: Any, x: torch.Tensor) -> bool:
+    # ``x86_tiled``: set by the int8 linear method on a layer that is one tiled weight.
+    return (
+        "x86_tiled" in op.__dict__
+        and x.dim() == 2
+        and _is_cpu(x)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def linear(op: Any, x: torch.Tensor) -> torch.Tensor:
+    """``linear`` op of a tiled GGUF layer, ``[T, in] -> [T, out]``: the product its linear method
+    computes (``gemv.matmul``), without the method's layers of Python around each call (a decode
+    step makes ~120 of them; a 576 x 576 weight's kernel takes a few microseconds)."""
+    tiled = op.x86_tiled
+    if x.shape[0] < gemv.AMX_MIN_ROWS:
+        out = _GEMV.gemv(x, tiled.data, *tiled.args())
+    else:
+        out = gemv.matmul(x, tiled)
+    return out if op.bias is None else out + op.bias
+
+
 # -- registration -----------------------------------------------------------------------------
 def _register_fakes() -> None:
     """Shapes of the library ops for torch.compile's tracing (once per process)."""
@@ -172,6 +201,12 @@ def register_x86_ops() -> bool:
     register_impl(
         "silu_and_mul", PROVIDER, device_type="cpu", priority=PRIORITY, supports=_silu_supports
     )(silu_and_mul)
+    global _GEMV
+    _GEMV = gemv.load_gemv_kernels() if gemv.available() else None
+    if _GEMV is not None:
+        register_impl(
+            "linear", PROVIDER, device_type="cpu", priority=PRIORITY, supports=_linear_supports
+        )(linear)
     return True
 
 
