@@ -1,21 +1,24 @@
-"""Speculative decoding at concurrency 1: ngram speculation against none, in one run.
+"""Speculative decoding at concurrency 1: ngram or draft-model speculation against none, in one run.
 
-Two workloads on the default model (greedy, chat template):
+Two workloads (greedy, chat template; the target is the default model unless ``--model``):
 - ``repetitive``: "repeat this code with one change" over a few functions, where the answer
   copies most of the prompt (what prompt lookup is for);
 - ``open``: open questions, whose answers copy little (the cost of looking up for nothing).
 
-Each prompt is generated alone (concurrency 1), by one engine without speculation and one with
-``--speculative-config`` in the same process, alternating prompt by prompt so that load from other
-processes hits both alike; each (engine, workload) is run ``--repeats`` times and the best is
-reported. Prints output tokens per second of each, their ratio, the acceptance rate and mean
-accepted length, and how many answers are identical (greedy is token for token the same up to
-numerics: a verification step computes several tokens per request, which can round bfloat16
-differently from one).
+``--method draft_model`` drafts with ``--draft-model`` (default: the default model's GGUF file,
+so with ``--model`` a float export of it from ``benchmarks/export_hf.py`` the draft is the same
+network, quantized). Each prompt is generated alone (concurrency 1), by one engine without
+speculation and one with ``--speculative-config`` in the same process, alternating prompt by
+prompt so that load from other processes hits both alike; each (engine, workload) is run
+``--repeats`` times and the best is reported. Prints output tokens per second of each, their
+ratio, the acceptance rate and mean accepted length, and how many answers are identical (greedy
+is token for token the same up to numerics: a verification step computes several tokens per
+request, which can round bfloat16 differently from one).
 
     .venv/bin/python benchmarks/speculative.py [--num-speculative-tokens 4]
         [--prompt-lookup-max 4] [--max-tokens 192] [--repeats 2] [--dtype auto]
-        [--quantization none]
+        [--quantization none] [--model PATH] [--method draft_model] [--draft-model PATH]
+        [--draft-quantization auto]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 
 from kiln import LLM, SamplingParams
 from kiln.engine.stats import spec_decode_rates
+from kiln.model_executor.loader.default_model import default_model_path
 
 FUNCTIONS = [
     '''def parse_header(line):
@@ -75,6 +79,7 @@ def workloads() -> dict[str, list[list[dict[str, str]]]]:
 
 def build(args: argparse.Namespace, speculative: dict | None) -> LLM:
     llm = LLM(
+        args.model,
         dtype=args.dtype,
         quantization=args.quantization,
         max_num_seqs=4,
@@ -106,20 +111,35 @@ def main() -> None:
     parser.add_argument(
         "--quantization", default=None, help="model.quantization (none: dense weights)"
     )
+    parser.add_argument("--model", default=None, help="the target (default: the default model)")
+    parser.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    parser.add_argument(
+        "--draft-model", default=None, help="draft_model: the draft (default: the default GGUF)"
+    )
+    parser.add_argument("--draft-quantization", default=None, help="the draft's quantization")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    speculative = {
-        "method": "ngram",
+    speculative: dict = {
+        "method": args.method,
         "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
     }
-    engines = {"none": build(args, None), "ngram": build(args, speculative)}
+    if args.method == "ngram":
+        speculative |= {
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max,
+        }
+    else:
+        speculative |= {
+            "model": args.draft_model or default_model_path(),
+            "quantization": args.draft_quantization,
+        }
+    method = args.method
+    engines = {"none": build(args, None), method: build(args, speculative)}
     results = {}
     for name, conversations in workloads().items():
         best = {engine: 0.0 for engine in engines}
         texts: dict[str, list[str]] = {engine: [] for engine in engines}
-        before = engines["ngram"].llm_engine.stats.totals
+        before = engines[method].llm_engine.stats.totals
         counts_before = (
             before.spec_num_drafts,
             before.spec_num_draft_tokens,
@@ -137,7 +157,7 @@ def main() -> None:
                     texts[engine].append(text)
             for engine in engines:
                 best[engine] = max(best[engine], tokens[engine] / seconds[engine])
-        after = engines["ngram"].llm_engine.stats.totals
+        after = engines[method].llm_engine.stats.totals
         counts = (
             after.spec_num_drafts - counts_before[0],
             after.spec_num_draft_tokens - counts_before[1],
@@ -146,27 +166,29 @@ def main() -> None:
         acceptance, mean_length = spec_decode_rates(*counts)
         results[name] = {
             "none_tok_s": round(best["none"], 1),
-            "ngram_tok_s": round(best["ngram"], 1),
-            "speedup": round(best["ngram"] / best["none"], 2),
+            "spec_tok_s": round(best[method], 1),
+            "speedup": round(best[method] / best["none"], 2),
             "acceptance_rate": round(acceptance, 3),
             "mean_accepted_length": round(mean_length, 2),
             "identical_answers": sum(
-                a == b for a, b in zip(texts["none"], texts["ngram"], strict=True)
+                a == b for a, b in zip(texts["none"], texts[method], strict=True)
             ),
             "answers": len(conversations),
         }
     if args.json:
         print(json.dumps({"config": speculative, "results": results}, indent=2))
         return
-    print(f"speculative config: {json.dumps(speculative)}, max_tokens {args.max_tokens}")
+    print(f"target {args.model or 'default model'}, dtype {args.dtype}, quantization "
+          f"{args.quantization}; speculative config: {json.dumps(speculative)}, "
+          f"max_tokens {args.max_tokens}")  # fmt: skip
     print(
-        "| workload | none tok/s | ngram tok/s | speedup | acceptance | mean accepted length "
+        f"| workload | none tok/s | {method} tok/s | speedup | acceptance | mean accepted length "
         "| identical |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
-            f"| {name} | {r['none_tok_s']} | {r['ngram_tok_s']} | {r['speedup']}x | "
+            f"| {name} | {r['none_tok_s']} | {r['spec_tok_s']} | {r['speedup']}x | "
             f"{r['acceptance_rate']:.1%} | {r['mean_accepted_length']} | "
             f"{r['identical_answers']}/{r['answers']} |"
         )

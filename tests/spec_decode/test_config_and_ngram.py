@@ -22,6 +22,12 @@ def test_flag_and_keyword_make_the_section() -> None:
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}
     ).create_config()
     assert config.speculative == SpeculativeConfig("ngram", 2, 5, 5)  # vLLM's defaults
+    # A model without a method is a draft model, as vLLM infers it.
+    config = EngineArgs.from_kwargs(
+        speculative_config={"model": "draft.gguf", "num_speculative_tokens": 3}
+    ).create_config()
+    assert (config.speculative.method, config.speculative.model) == ("draft_model", "draft.gguf")
+    assert config.speculative.num_lookahead_tokens == 3  # the draft's KV slots
     assert EngineArgs().create_config().speculative.method is None
 
 
@@ -30,7 +36,19 @@ def test_flag_and_keyword_make_the_section() -> None:
     [
         ('{"method": "medusa", "num_speculative_tokens": 2}', "speculative.method='medusa'"),
         ('{"method": "ngram"}', "speculative.num_speculative_tokens=0"),
-        ('{"method": "ngram", "num_speculative_tokens": -1}', "an integer >= 1"),
+        ('{"method": "ngram", "num_speculative_tokens": -1}', "an integer in [1, 32]"),
+        ('{"method": "ngram", "num_speculative_tokens": 33}', "an integer in [1, 32]"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "speculative.model=None"),
+        ('{"model": "d.gguf"}', "speculative.num_speculative_tokens=0"),
+        (
+            '{"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 2}',
+            "speculative.model='d.gguf' is invalid; allowed: a GGUF file or Hugging Face folder "
+            "with method 'draft_model'",
+        ),
+        (
+            '{"model": "d.gguf", "num_speculative_tokens": 2, "quantization": "fp8"}',
+            "speculative.quantization='fp8'",
+        ),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}',
             "speculative.prompt_lookup_min=0",

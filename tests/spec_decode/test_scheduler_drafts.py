@@ -5,7 +5,7 @@ logprobs; preemption drops drafts; the counters reach the stats."""
 
 from __future__ import annotations
 
-from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
+from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kiln.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.request import Request
@@ -14,11 +14,16 @@ from kiln.scheduler.scheduler import Scheduler
 BLOCK_SIZE = 4
 
 
-def make_scheduler(max_num_batched_tokens: int = 64, num_blocks: int = 64) -> Scheduler:
+def make_scheduler(
+    max_num_batched_tokens: int = 64,
+    num_blocks: int = 64,
+    speculative: SpeculativeConfig | None = None,
+) -> Scheduler:
     config = KilnConfig(
         model=ModelConfig(max_model_len=64),
         cache=CacheConfig(block_size=BLOCK_SIZE),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
+        speculative=speculative or SpeculativeConfig(),
     )
     return Scheduler(config, num_blocks)
 
@@ -65,6 +70,26 @@ def test_drafts_are_scheduled_verified_and_counted() -> None:
     # No drafts proposed: a plain decode of 1 token.
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"r": 1} and not out.scheduled_spec_decode_tokens
+
+
+def test_a_draft_model_gets_lookahead_slots_within_the_context() -> None:
+    draft_model = SpeculativeConfig("draft_model", 3, model="draft.gguf")
+    scheduler = make_scheduler(speculative=draft_model)
+    request = Request("r", list(range(10, 16)), SamplingParams(max_tokens=60), eos_token_id=2)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    # 6 prompt tokens and 3 slots for the draft's keys after them: 3 blocks of 4 (2 without).
+    assert out.scheduled_new_reqs[0].block_ids == [1, 2, 3]
+    scheduler.update_from_output(out, output(out, {"r": [50]}, {"r": [51, 52, 53]}))
+    out = scheduler.schedule()
+    # 6 + 1 + 3 drafts, then 3 lookahead slots: 13 -> 4 blocks.
+    assert len(scheduler.kv_cache_manager.get_block_ids("r")) == 4
+    # Near the end of the context the lookahead stops there (the block table ends there).
+    scheduler = make_scheduler(speculative=draft_model)
+    request = Request("r", list(range(10, 72)), SamplingParams(max_tokens=60), eos_token_id=2)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert len(scheduler.kv_cache_manager.get_block_ids("r")) == 64 // BLOCK_SIZE
 
 
 def test_drafts_are_cut_to_max_tokens_and_the_budget() -> None:

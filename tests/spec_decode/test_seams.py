@@ -16,7 +16,7 @@ from kiln.testing import plugin_report
 class NoPropose:
     def __init__(self, config, device) -> None: ...
 
-    def load_model(self, target_model) -> None: ...
+    def load_model(self, target_model, platform) -> None: ...
 
 
 class OtherSignature:
@@ -28,10 +28,20 @@ class FixedProposer:
 
     def __init__(self, config, device) -> None: ...
 
-    def load_model(self, target_model) -> None: ...
+    def load_model(self, target_model, platform) -> None: ...
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return 0
+
+    def initialize_kv_cache(self, num_blocks) -> None: ...
 
     def propose(self, inputs: ProposalInputs) -> list[list[int]]:
         return [[1] for _ in inputs.rows]
+
+    def draft_probs(self, req_ids, num_drafts) -> None:
+        return None
+
+    def remove_requests(self, req_ids) -> None: ...
 
 
 def test_the_platform_fills_both_fields() -> None:
@@ -42,10 +52,21 @@ def test_the_platform_fills_both_fields() -> None:
     )
     for field in ("proposer_cls", "rejection_sampler_cls"):
         resolve_class(field, getattr(config.device, field))
+    draft = KilnConfig().replace(
+        speculative__method="draft_model",
+        speculative__model="d.gguf",
+        speculative__num_speculative_tokens=2,
+    )
+    config = CpuPlatform.check_and_update_config(draft)
+    assert config.device.proposer_cls == "kiln.spec_decode.draft_model.DraftModelProposer"
+    resolve_class("proposer_cls", config.device.proposer_cls)
 
 
 def test_classes_that_do_not_match_are_named() -> None:
-    with pytest.raises(InterfaceError, match=r"NoPropose lacks method 'propose' of ProposerBase"):
+    with pytest.raises(
+        InterfaceError,
+        match=r"NoPropose lacks method 'get_kv_cache_bytes_per_block' of ProposerBase",
+    ):
         resolve_class("proposer_cls", f"{__name__}.NoPropose")
     with pytest.raises(InterfaceError, match=r"OtherSignature.forward .*'draft_probs'"):
         resolve_class("rejection_sampler_cls", f"{__name__}.OtherSignature")

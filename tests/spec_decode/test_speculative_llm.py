@@ -7,11 +7,10 @@ acceptance counters the metrics read."""
 from __future__ import annotations
 
 import pytest
+from spec_utils import results, save_tiny_repeater, spec_counts
 
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import StructuredOutputsParams
-from kiln.testing.models import save_tiny_model
-from kiln.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -38,21 +37,9 @@ def spec_llm(gguf_path: str) -> LLM:
     )
 
 
-def _texts(llm: LLM, prompts: list[str], params) -> list[tuple[list[int], str, str | None]]:
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs
-    ]
-
-
-def _spec_totals(llm: LLM) -> tuple[int, int, int]:
-    t = llm.llm_engine.stats.totals
-    return t.spec_num_drafts, t.spec_num_draft_tokens, t.spec_num_accepted_tokens
-
-
 def test_greedy_output_is_the_same_token_for_token(spec_llm: LLM, llm_f32: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
-    before = _spec_totals(spec_llm)
+    before = spec_counts(spec_llm)
     spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
     plain = llm_f32.generate(PROMPTS, params, use_tqdm=False)
     for s, p in zip(spec, plain, strict=True):
@@ -66,7 +53,7 @@ def test_greedy_output_is_the_same_token_for_token(spec_llm: LLM, llm_f32: LLM) 
             assert s_pos.keys() == p_pos.keys()
             assert s_pos[token_id].logprob == pytest.approx(p_pos[token_id].logprob, abs=1e-3)
     drafts, draft_tokens, accepted = (
-        a - b for a, b in zip(_spec_totals(spec_llm), before, strict=True)
+        a - b for a, b in zip(spec_counts(spec_llm), before, strict=True)
     )
     # Drafts were proposed, some accepted and some rejected.
     assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
@@ -91,8 +78,8 @@ def test_stop_strings_and_max_tokens_cut_inside_a_run(spec_llm: LLM, llm_f32: LL
         ),
     ]
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[3]]
-    spec = _texts(spec_llm, prompts, params)
-    plain = _texts(llm_f32, prompts, params)
+    spec = results(spec_llm, prompts, params)
+    plain = results(llm_f32, prompts, params)
     # Token ids too: those after the stop string's token in the same step are dropped.
     assert spec == plain
     assert [reason for _, _, reason in spec] == ["stop", "length", "stop"]
@@ -107,23 +94,12 @@ def test_mixed_batch_with_a_grammar_and_plain_requests(spec_llm: LLM, llm_f32: L
         structured_outputs=StructuredOutputsParams(regex=r"def [a-z]+\(a, b\):"),
     )
     params = [greedy, regex, greedy, greedy]
-    assert _texts(spec_llm, PROMPTS, params) == _texts(llm_f32, PROMPTS, params)
+    assert results(spec_llm, PROMPTS, params) == results(llm_f32, PROMPTS, params)
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_tiny_model(
-        tmp_path_factory.mktemp("tiny_spec"),
-        tokenizer=load_tokenizer(gguf_path).hf_tokenizer,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        # Small tied weights: the model mostly repeats its last token, then moves on, so drafts
-        # are proposed and mostly, not always, accepted.
-        initializer_range=0.05,
-        tie_word_embeddings=True,
-    )
+    return save_tiny_repeater(tmp_path_factory.mktemp("tiny_spec"), gguf_path)
 
 
 TINY_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads of 16, f32, 16 slots
@@ -147,5 +123,5 @@ def test_tiny_model_greedy_and_preemption_while_speculating(tiny_folder: str) ->
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert small.llm_engine.stats.totals.preemptions > 0
-    drafts, draft_tokens, accepted = _spec_totals(small)
+    drafts, draft_tokens, accepted = spec_counts(small)
     assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)

@@ -224,6 +224,8 @@ class Platform:
     def get_proposer_cls(cls, config: KilnConfig) -> str:
         """The speculative-decoding proposer for ``config.speculative.method`` (named even when
         speculation is off, so ``kiln plugins`` shows and checks it)."""
+        if config.speculative.method == "draft_model":
+            return "kiln.spec_decode.draft_model.DraftModelProposer"
         return "kiln.spec_decode.ngram.NgramProposer"
 
     @classmethod

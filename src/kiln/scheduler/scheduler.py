@@ -31,7 +31,9 @@ request ``1 + k`` tokens, its last token and ``k`` drafts (``SchedulerOutput.
 scheduled_spec_decode_tokens``), with KV slots and budget for all of them. ``k`` is cut so that
 the budget, the context and ``max_tokens`` hold even if every draft is accepted. After the step
 ``num_computed_tokens`` takes back the rejected drafts (their slots are written over later; only
-full blocks of accepted tokens are cached). A request with a grammar never speculates.
+full blocks of accepted tokens are cached). A request with a grammar never speculates. With a
+draft model, each allocation also holds ``k`` lookahead slots after the scheduled tokens, where
+the draft writes the keys and values of its next drafts (``num_lookahead_tokens``, as vLLM).
 
 Pipeline parallelism (``parallel.pipeline_parallel_size > 1``): the engine core schedules the
 next batch while earlier ones are still in the pipeline (``kiln.engine.core``). A request in a
@@ -95,6 +97,8 @@ class Scheduler(SchedulerInterface):
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         """Most distinct LoRA adapters among running requests (0: LoRA off)."""
+        self.num_lookahead_tokens = config.speculative.num_lookahead_tokens
+        """KV slots allocated after a request's scheduled tokens (a draft model's drafts)."""
         self.block_size = config.cache.block_size
         capacity = (num_blocks - 1) * self.block_size
         max_model_len = config.model.max_model_len or capacity
@@ -242,7 +246,12 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens += len(drafts)
             num_new_tokens = min(num_new_tokens, token_budget)
             assert num_new_tokens > 0, request
-            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+            lookahead = self._num_lookahead(request.num_computed_tokens + num_new_tokens)
+            while (
+                new_block_ids := kv.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=lookahead
+                )
+            ) is None:
                 victim = running.pop(self._victim_index(req_index))
                 self._preempt(victim)
                 num_preempted += 1
@@ -287,7 +296,10 @@ class Scheduler(SchedulerInterface):
                 ):
                     break  # Fits a later step whole.
                 num_new_tokens = token_budget
-            block_ids = kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            lookahead = self._num_lookahead(num_hit_tokens + num_new_tokens)
+            block_ids = kv.allocate_slots(
+                request, num_new_tokens, num_hit_tokens, hit_blocks, lookahead
+            )
             if block_ids is None:
                 break
             waiting.pop()
@@ -465,6 +477,11 @@ class Scheduler(SchedulerInterface):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    def _num_lookahead(self, num_tokens: int) -> int:
+        """Lookahead slots for a request with ``num_tokens`` scheduled or computed: within the
+        context (the block table of a request ends there)."""
+        return max(min(self.num_lookahead_tokens, self.max_model_len - num_tokens), 0)
 
     def _max_num_drafts(self, request: Request, token_budget: int) -> int:
         """The most drafts a decoding request may verify now: all of them and the bonus token

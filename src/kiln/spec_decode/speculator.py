@@ -58,7 +58,16 @@ class BatchView(Protocol):
         """[max_num_reqs] int64."""
 
     @property
+    def block_table(self) -> np.ndarray:
+        """[max_num_reqs, max_num_blocks_per_req] int32."""
+
+    @property
+    def num_blocks(self) -> np.ndarray:
+        """[max_num_reqs] int64."""
+
+    @property
     def vocab_size(self) -> int: ...
+    def sampling_metadata(self, rows: list[int]) -> SamplingMetadata: ...
 
 
 class Speculator:
@@ -83,8 +92,18 @@ class Speculator:
         sampler_cls = resolve_class("rejection_sampler_cls", classes.rejection_sampler_cls)
         self.rejection_sampler = sampler_cls()
 
-    def load_model(self, target_model: Any) -> None:
-        self.proposer.load_model(target_model)
+    def load_model(self, target_model: Any, platform: Any) -> None:
+        self.proposer.load_model(target_model, platform)
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return int(self.proposer.get_kv_cache_bytes_per_block())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.proposer.initialize_kv_cache(num_blocks)
+
+    def remove_requests(self, req_ids: list[str]) -> None:
+        if req_ids:
+            self.proposer.remove_requests(req_ids)
 
     def write_drafts(
         self, batch: BatchView, rows: list[int], spec_tokens: dict[str, list[int]]
@@ -122,17 +141,19 @@ class Speculator:
         sampler: Sampler,
         logits: torch.Tensor,
         metadata: SamplingMetadata,
+        req_ids: list[str],
         drafts: list[list[int]],
     ) -> tuple[LogprobsTensors | None, tuple[list[int], list[bool]]]:
         """The rejection sampler's verdict on the drafts: the logprobs of every position's token,
         and per position its token and whether its draft was accepted (read back: the step's
         host sync). ``logits``: [P, V], one row per position; ``sampler`` applies the logits
-        processors."""
+        processors; ``req_ids`` and ``drafts``: per request."""
         logits = sampler.apply_logits_processors(logits.float(), metadata)
         draft_ids = torch.tensor(
             [t for draft in drafts for t in (*draft, -1)], dtype=torch.int64, device=self.device
         )  # [P]
-        result = self.rejection_sampler.forward(logits, metadata, draft_ids, None)
+        draft_probs = self.proposer.draft_probs(req_ids, [len(d) for d in drafts])  # [P, V]
+        result = self.rejection_sampler.forward(logits, metadata, draft_ids, draft_probs)
         logprobs_tensors = None
         if metadata.max_num_logprobs is not None:
             logprobs_tensors = gather_logprobs(
@@ -153,7 +174,16 @@ class Speculator:
         ]
         spec_token_ids: list[list[int]] = [[] for _ in rows]
         if indices:
-            inputs = ProposalInputs(batch.token_ids, batch.num_tokens, [rows[i] for i in indices])
+            draft_rows = [rows[i] for i in indices]
+            inputs = ProposalInputs(
+                batch.token_ids,
+                batch.num_tokens,
+                draft_rows,
+                [batch.req_ids[row] for row in draft_rows],
+                batch.block_table,
+                batch.num_blocks,
+                batch.sampling_metadata(draft_rows),
+            )
             for i, draft in zip(indices, self.proposer.propose(inputs), strict=True):
                 spec_token_ids[i] = draft
         return spec_token_ids

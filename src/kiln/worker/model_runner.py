@@ -45,7 +45,7 @@ from kiln.messages import (
 )
 from kiln.model_executor.layers.attention import (
     CommonAttentionMetadata,
-    bind_kv_cache,
+    allocate_kv_caches,
     resolve_attn_backend,
 )
 from kiln.model_executor.layers.token_bitmask import ApplyTokenBitmask
@@ -123,20 +123,22 @@ class ModelRunner(ModelRunnerBase):
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
         self.vocab_size = int(self.hf_config["vocab_size"])
         if self.speculator is not None:
-            self.speculator.load_model(model)
+            self.speculator.load_model(model, current_platform)
 
     def get_kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_token(self.hf_config, self.dtype) * self.block_size
+        """The target's keys and values of one block, plus a draft model's (which has its own
+        cache over the same block ids)."""
+        num_bytes = kv_cache_bytes_per_token(self.hf_config, self.dtype) * self.block_size
+        if self.speculator is not None:
+            num_bytes += self.speculator.get_kv_cache_bytes_per_block()
+        return num_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = {}
-        for name, layer in self.model.attention_layers().items():
-            shape = self.attn_backend.get_kv_cache_shape(
-                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-            )
-            # Zeros: backends may read unwritten slots under a mask, which must stay finite.
-            self.kv_caches[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        bind_kv_cache(self.model, self.kv_caches)
+        self.kv_caches = allocate_kv_caches(
+            self.model, self.attn_backend, num_blocks, self.block_size, self.dtype, self.device
+        )
+        if self.speculator is not None:
+            self.speculator.initialize_kv_cache(num_blocks)
         self.attention_layers = self.model.attention_layers()
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
@@ -227,7 +229,7 @@ class ModelRunner(ModelRunnerBase):
         else:
             assert self.speculator is not None
             logprobs_tensors, verified = self.speculator.verify(
-                self.sampler, logits, metadata, drafts
+                self.sampler, logits, metadata, [batch.req_ids[row] for row in rows], drafts
             )
         for p, state in saved.items():
             metadata.generators[p].set_state(state)
@@ -309,6 +311,11 @@ class ModelRunner(ModelRunnerBase):
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
         assert batch is not None
+        if self.speculator is not None:
+            # Finished, preempted or resumed: the proposer forgets them (a draft model's cache
+            # of a resumed request is rebuilt).
+            new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+            self.speculator.remove_requests([*scheduler_output.finished_req_ids, *new_ids])
         for req_id in scheduler_output.finished_req_ids:
             batch.remove_request(req_id)
             self._prompt_logprobs.pop(req_id, None)

@@ -145,9 +145,10 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Grow ``request``'s block table to cover its computed tokens, the prefix hit and
-        ``num_new_tokens`` more.
+        """Grow ``request``'s block table to cover its computed tokens, the prefix hit,
+        ``num_new_tokens`` more and ``num_lookahead_tokens`` slots after them.
 
         Args:
             request: its ``num_computed_tokens`` counts the tokens already in its blocks.
@@ -155,6 +156,8 @@ class KVCacheManager:
             num_new_computed_tokens: tokens of ``new_computed_blocks`` (a prefix hit).
             new_computed_blocks: ``get_computed_blocks(request).blocks``, for a request that holds
                 no blocks yet.
+            num_lookahead_tokens: slots a draft model writes after the new tokens (never
+                cached: they hold no token of the request yet).
 
         Returns:
             The ids appended to the block table (hit blocks, then fresh ones; often empty), or
@@ -164,7 +167,9 @@ class KVCacheManager:
         recently used cached blocks); registers every block that becomes full in the prefix
         cache; on a request's first allocation, counts its prefix-cache query and hit.
         """
-        num_new_blocks = self._get_num_new_blocks(request, num_new_tokens, new_computed_blocks)
+        num_new_blocks = self._get_num_new_blocks(
+            request, num_new_tokens + num_lookahead_tokens, new_computed_blocks
+        )
         if num_new_blocks is None:
             return None
         request_id = request.request_id

@@ -15,6 +15,7 @@ from kiln.model_executor.layers.attention.backend import (
 )
 from kiln.model_executor.layers.attention.layer import (
     Attention,
+    allocate_kv_caches,
     bind_kv_cache,
     get_attention_layers,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "AttentionImpl",
     "AttentionMetadataBuilder",
     "CommonAttentionMetadata",
+    "allocate_kv_caches",
     "bind_kv_cache",
     "get_attention_layers",
     "get_attn_backend",

@@ -190,3 +190,29 @@ def bind_kv_cache(model: nn.Module, kv_caches: Mapping[str, torch.Tensor]) -> No
         )
     for name, layer in layers.items():
         layer.kv_cache = kv_caches[name]
+
+
+def allocate_kv_caches(
+    model: nn.Module,
+    backend: type[AttentionBackend],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """A KV cache of ``num_blocks`` blocks for every attention layer of ``model``, in
+    ``backend``'s layout (``get_kv_cache_shape``), bound to the layers; returns them by layer name.
+
+    Zeros: backends may read unwritten slots under a mask, which must stay finite.
+
+    Side effects:
+        sets ``layer.kv_cache`` on every attention layer of ``model`` (``bind_kv_cache``).
+    """
+    kv_caches = {}
+    for name, layer in get_attention_layers(model).items():
+        shape = backend.get_kv_cache_shape(
+            num_blocks, block_size, layer.num_kv_heads, layer.head_size
+        )
+        kv_caches[name] = torch.zeros(shape, dtype=dtype, device=device)
+    bind_kv_cache(model, kv_caches)
+    return kv_caches
