@@ -1,8 +1,8 @@
 """The Ray executor on a local cluster of two Ray nodes (one CPU each, both on this machine):
-TP=2 places one rank on each node, and greedy tokens in float32 at TP=2 and PP=2 on Ray equal
-TP=1 on a small random Llama (4 KV heads, odd vocabulary) and, at TP=2, on the default model. A
-rank's actor killed mid-request: the request ends with an error promptly, ``/health`` answers 503,
-``kiln serve`` exits non-zero and no actor is left."""
+TP=2 places one rank on each node, and greedy tokens in float32 at TP=2 and PP=2 on Ray (two
+batches in flight) equal TP=1 on a small random Llama (4 KV heads, odd vocabulary) and, at TP=2,
+on the default model. A rank's actor killed mid-request: the request ends with an error promptly,
+``/health`` answers 503, ``kiln serve`` exits non-zero and no actor is left."""
 
 from __future__ import annotations
 
@@ -102,8 +102,9 @@ def ray_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, list[str], set]:
-    """Greedy tokens on the Ray executor, the node of each rank, and the cluster's live nodes."""
+def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, list[str], set, int]:
+    """Greedy tokens on the Ray executor, the node of each rank, the cluster's live nodes, and the
+    most batches that were in flight at once."""
     from kiln import LLM
 
     llm = LLM(
@@ -117,9 +118,10 @@ def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, li
     )
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        executor = llm.llm_engine.engine_core.executor
+        core = llm.llm_engine.engine_core
         alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-        return [o.outputs[0].token_ids for o in outputs], executor.node_ids, alive
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        return tokens, core.executor.node_ids, alive, core.max_num_batches_in_flight
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -128,7 +130,7 @@ def test_tp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(
     ray_cluster, tiny_llama, gguf_path
 ):
     folder, tp1 = tiny_llama
-    tokens, node_ids, alive = _on_ray(
+    tokens, node_ids, alive, _ = _on_ray(
         ray_cluster, folder, TOKEN_PROMPTS, tokenizer=gguf_path, tensor_parallel_size=2
     )
     assert tokens == tp1
@@ -139,17 +141,18 @@ def test_pp2_on_two_ray_nodes_equals_tp1_on_a_small_random_llama(
     ray_cluster, tiny_llama, gguf_path
 ):
     folder, tp1 = tiny_llama
-    tokens, node_ids, _ = _on_ray(
+    tokens, node_ids, _, in_flight = _on_ray(
         ray_cluster, folder, TOKEN_PROMPTS, tokenizer=gguf_path, pipeline_parallel_size=2
     )
     assert tokens == tp1
     assert len(set(node_ids)) == 2
+    assert in_flight == 2  # three prompts: micro-batches of two and one, both in the pipeline
 
 
 def test_tp2_on_two_ray_nodes_equals_tp1_on_the_default_model(
     ray_cluster, gguf_path, default_model_tokens
 ):
-    tokens, node_ids, _ = _on_ray(ray_cluster, gguf_path, TEXT_PROMPTS, tensor_parallel_size=2)
+    tokens, node_ids, _, _ = _on_ray(ray_cluster, gguf_path, TEXT_PROMPTS, tensor_parallel_size=2)
     assert tokens == default_model_tokens
     assert len(set(node_ids)) == 2
 
