@@ -6,7 +6,9 @@ The adapters are random PEFT folders (``adapter_config.json`` + ``adapter_model.
 rank ``--rank`` on all seven projections, written to a temporary folder. Three engines: the base
 model (LoRA off, the baseline), the LoRA engine serving base-model requests only (the cost of
 enabling LoRA), and the LoRA engine with the 4 adapters mixed. Each workload runs ``--repeats``
-times, alternating engines so load from other processes hits them alike; the best run counts.
+times, alternating engines so load from other processes hits them alike; the best run counts,
+and each round's ratios to that round's baseline are printed too (their median is the figure to
+trust on a loaded machine).
 
     .venv/bin/python benchmarks/lora.py [--num-prompts 32] [--input-len 128] [--output-len 64]
         [--rank 8] [--repeats 2] [--dtype auto]
@@ -94,17 +96,28 @@ def main() -> None:
             "LoRA on, base requests": (lora, None),
             f"LoRA on, {NUM_ADAPTERS} adapters mixed": (lora, mixed),
         }
-        best = dict.fromkeys(cases, 0.0)
+        rounds: list[dict[str, float]] = []
         for _ in range(args.repeats):
-            for name, (llm, loras) in cases.items():
-                best[name] = max(best[name], run(llm, prompts, args.output_len, loras))
+            rounds.append(
+                {
+                    name: run(llm, prompts, args.output_len, loras)
+                    for name, (llm, loras) in cases.items()
+                }
+            )
+            print(f"round {len(rounds)}: " + ", ".join(f"{v:.1f}" for v in rounds[-1].values()))
     print(
         f"{args.num_prompts} prompts, {args.input_len} input / {args.output_len} output tokens, "
         f"rank {args.rank} on q,k,v,o,gate,up,down, dtype {args.dtype}, best of {args.repeats}"
     )
-    baseline = best["base model, LoRA off"]
-    for name, value in best.items():
-        print(f"{name:28s} {value:8.1f} tok/s  {value / baseline:5.2f}x")
+    baseline = max(r["base model, LoRA off"] for r in rounds)
+    for name in cases:
+        value = max(r[name] for r in rounds)
+        ratios = sorted(r[name] / r["base model, LoRA off"] for r in rounds)
+        median = ratios[len(ratios) // 2]
+        print(
+            f"{name:28s} {value:8.1f} tok/s  {value / baseline:5.2f}x best  "
+            f"{median:5.2f}x median of rounds ({', '.join(f'{x:.2f}' for x in ratios)})"
+        )
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ float32; ``--max-loras 2`` so three adapters in flight make requests wait for a 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
+import platform
 import shutil
 import sys
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 from kiln import LLM, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import BASE_ARGS, KilnServer  # noqa: E402
+from serve_utils import BASE_ARGS, KilnServer, stream_events  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 31]
 MAX_TOKENS = 24
@@ -80,12 +82,37 @@ def test_model_field_picks_the_adapter(http, expected):
         response = _complete(http, model)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected[name], model
+        assert response.json()["model"] == model  # the adapter's name echoed, as vLLM does
 
 
-def test_unknown_adapter_is_a_404(http):
-    response = _complete(http, "no-such-adapter")
+def test_stream_chunks_name_the_adapter(http):
+    body = {"model": "a0", "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    chunks = stream_events(http, "/v1/completions", body)
+    assert chunks[-1] == "[DONE]" and len(chunks) > 2
+    assert {chunk["model"] for chunk in chunks[:-1]} == {"a0"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_adapter_is_a_404(http, path):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    body = {
+        "model": "no-such-adapter",
+        "max_tokens": 1,
+        **(chat if "chat" in path else {"prompt": "hi"}),
+    }
+    response = http.post(path, json=body)
     assert response.status_code == 404
     assert response.json()["error"]["param"] == "model"
+
+
+def test_served_on_the_default_platform_with_its_lora_kernel(http):
+    """No ``--platform``: the server runs where detection puts it, x86 on an x86-64 machine
+    with kiln-x86 installed (as in CI), where ``lora_apply`` has the plugin's kernel."""
+    report = http.get("/debug/plugins").json()
+    x86 = importlib.util.find_spec("kiln_x86") is not None and platform.machine() == "x86_64"
+    assert report["platform"]["name"] == ("x86" if x86 else "cpu")
+    providers = {i["provider"] for i in report["op_implementations"] if i["op"] == "lora_apply"}
+    assert ("kiln_x86" in providers) == x86
 
 
 def _base_name(http: httpx.Client) -> str:

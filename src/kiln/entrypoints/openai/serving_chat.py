@@ -82,7 +82,8 @@ class OpenAIServingChat(OpenAIServing):
         engine_requests = self.process(request_id, [prompt], params, request.priority, lora_request)
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
-        run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs)
+        model = self.model_name(lora_request)
+        run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs, model)
         if plan.choice != "none" or tool_options.reasoning_parser is not None:
             run.parsers = [ChoiceParser(plan, tool_options) for _ in range(request.n)]
         if request.stream:
@@ -100,8 +101,11 @@ class _ChatRun:
         request_id: str,
         num_prompt_tokens: int,
         top_logprobs: int,
+        model: str,
     ) -> None:
         self.serving = serving
+        self.model = model
+        """The response's ``model`` (the adapter's name for a LoRA request)."""
         self.request = request
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -122,7 +126,7 @@ class _ChatRun:
             "id": self.request_id,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.serving.state.model_name,
+            "model": self.model,
             "choices": choices,
         }
 
@@ -258,7 +262,7 @@ class _ChatRun:
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
-            "model": self.serving.state.model_name,
+            "model": self.model,
             "choices": choices,
             "usage": self._usage(),
         }

@@ -89,7 +89,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
-        run = _Run(self, request, request_id, prompts, echo_only)
+        model = self.model_name(lora_request)
+        run = _Run(self, request, request_id, prompts, echo_only, model)
         if request.stream:
             return self.stream(ids, run.stream(outputs))
         return await self.respond(raw, ids, run.collect(outputs))
@@ -124,8 +125,11 @@ class _Run:
         request_id: str,
         prompts: list[Prompt],
         echo_only: bool,
+        model: str,
     ) -> None:
         self.serving = serving
+        self.model = model
+        """The response's ``model`` (the adapter's name for a LoRA request)."""
         self.request = request
         self.request_id = request_id
         self.prompts = prompts
@@ -141,7 +145,7 @@ class _Run:
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.serving.state.model_name,
+            "model": self.model,
             "choices": choices,
         }
 

@@ -174,6 +174,11 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
         return lora_request
 
+    def model_name(self, lora_request: LoRARequest | None) -> str:
+        """A response's ``model``: the adapter the request named, else the served model (as
+        vLLM answers)."""
+        return self.state.model_name if lora_request is None else lora_request.lora_name
+
     def check_ready(self) -> None:
         """Raises a 503 ``OpenAIError`` when the server cannot take a generation request now."""
         if self.state.draining:
