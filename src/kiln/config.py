@@ -551,7 +551,8 @@ class SpeculativeConfig:
     latest earlier occurrence of the request's last n tokens, prompt and output); "draft_model":
     a smaller model with the same vocabulary (``model``) drafts, with its own KV cache."""
     num_speculative_tokens: int = field(default=0, metadata={"set_by": "speculative_config"})
-    """Most draft tokens a request verifies per step (>= 1 when ``method`` is set)."""
+    """Most draft tokens a request verifies per step (1 to ``MAX_NUM_SPECULATIVE_TOKENS`` when
+    ``method`` is set)."""
     prompt_lookup_min: int = field(default=5, metadata={"set_by": "speculative_config"})
     """ngram: the shortest suffix n-gram looked up."""
     prompt_lookup_max: int = field(default=5, metadata={"set_by": "speculative_config"})
