@@ -18,9 +18,11 @@ a compiled graph is the same in every process and the on-disk compile cache can 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -203,7 +205,9 @@ def allocate_kv_caches(
     """A KV cache of ``num_blocks`` blocks for every attention layer of ``model``, in
     ``backend``'s layout (``get_kv_cache_shape``), bound to the layers; returns them by layer name.
 
-    Zeros: backends may read unwritten slots under a mask, which must stay finite.
+    Zeros: backends may read unwritten slots under a mask, which must stay finite. On CPU they
+    come from ``calloc`` (``zeroed_cpu``): nothing is written at start-up, and memory is
+    committed only where the cache is used.
 
     Side effects:
         sets ``layer.kv_cache`` on every attention layer of ``model`` (``bind_kv_cache``).
@@ -213,6 +217,23 @@ def allocate_kv_caches(
         shape = backend.get_kv_cache_shape(
             num_blocks, block_size, layer.num_kv_heads, layer.head_size
         )
-        kv_caches[name] = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":
+            kv_caches[name] = zeroed_cpu(shape, dtype)
+        else:
+            kv_caches[name] = torch.zeros(shape, dtype=dtype, device=device)
     bind_kv_cache(model, kv_caches)
     return kv_caches
+
+
+CPU_CACHE_ALIGN = 64
+"""Bytes a CPU KV cache's data is aligned to (a cache line, one AVX-512 vector)."""
+
+
+def zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)`` on CPU from numpy's ``calloc``, whose large blocks are fresh
+    zero pages of the kernel: nothing is written (``torch.zeros`` wrote the whole cache, seconds
+    for a few GiB at every start) and pages are committed on first use."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = np.zeros(nbytes + CPU_CACHE_ALIGN, np.uint8)
+    start = -buffer.ctypes.data % CPU_CACHE_ALIGN
+    return torch.from_numpy(buffer[start : start + nbytes]).view(dtype).view(shape)
