@@ -46,7 +46,10 @@ def test_kernel_matches_the_reference(dtype, case, slices, in_features):
     mapping = LoRAMapping(np.array(indices, dtype=np.int64), x.device)
     op = LoRAApply()
     want = op.forward_native(y.clone(), x, lora_a, lora_b, mapping)
-    got = lora.lora_apply(op, y.clone(), x, lora_a, lora_b, mapping)
+    got = lora.lora_apply(op, y.clone(), x, lora_a, lora_b, mapping, slices)
+    # Without the slices the kernel reads every column of lora_b: the same result.
+    whole = lora.lora_apply(op, y.clone(), x, lora_a, lora_b, mapping)
+    torch.testing.assert_close(whole, got, rtol=1e-5, atol=1e-5)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:

@@ -87,7 +87,7 @@ class LoRALinear(nn.Module):
         mapping = self.step.mapping
         if mapping is None:
             return y
-        return self.lora_apply(y, x, self.lora_a, self.lora_b, mapping)
+        return self.lora_apply(y, x, self.lora_a, self.lora_b, mapping, self.output_slices)
 
     def set_slot(
         self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None], scaling: float

@@ -39,7 +39,7 @@ def load_lora_kernels() -> Any:
 
 
 def _supports(op: Any, y: torch.Tensor, x: torch.Tensor, *weights_and_mapping: Any) -> bool:
-    lora_a, lora_b, _mapping = weights_and_mapping
+    lora_a, lora_b = weights_and_mapping[:2]
     tensors = (y, x, lora_a, lora_b)
     return (
         x.shape[0] <= LORA_MAX_TOKENS
@@ -56,11 +56,20 @@ def lora_apply(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     mapping: Any,
+    output_slices: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """``lora_apply`` op: ``y`` [T, out] plus each token's adapter, in place (``mapping``: the
-    op's ``LoRAMapping``: ``token_lora_indices``, ``first_slot``, ``end_slot``)."""
+    op's ``LoRAMapping``: ``token_lora_indices``, ``first_slot``, ``end_slot``; with
+    ``output_slices`` the expand skips ``lora_b``'s zero blocks)."""
     return _KERNELS.lora_apply(
-        y, x, lora_a, lora_b, mapping.token_lora_indices, mapping.first_slot, mapping.end_slot
+        y,
+        x,
+        lora_a,
+        lora_b,
+        mapping.token_lora_indices,
+        mapping.first_slot,
+        mapping.end_slot,
+        list(output_slices),
     )
 
 

@@ -1,7 +1,7 @@
 """The ``lora_apply`` op: add each token's adapter to a linear layer's output, many adapters in one
 batch (punica's batched gather-matmul: a shrink to the rank, then an expand).
 
-Contract: ``LoRAApply()(y, x, lora_a, lora_b, mapping)`` with
+Contract: ``LoRAApply()(y, x, lora_a, lora_b, mapping, output_slices=())`` with
 
 - ``y`` [T, out]: the base layer's output, updated in place and returned;
 - ``x`` [T, in]: the layer's input;
@@ -12,7 +12,9 @@ Contract: ``LoRAApply()(y, x, lora_a, lora_b, mapping)`` with
   rows of slice ``i`` hold its B only in slice ``i``'s output columns and are zero elsewhere, so
   a slice's A never reaches another slice's outputs;
 - ``mapping``: the step's ``LoRAMapping`` (each token's slot, built once per step and shared by
-  every layer).
+  every layer);
+- ``output_slices``: the ``n`` slices' widths (summing to ``out``; ``()``: not given), so that a
+  kernel may skip ``lora_b``'s zero blocks; the native version does not need them.
 
 ``y[t] += lora_b[s].T @ (lora_a[s] @ x[t])`` with ``s = mapping.token_lora_indices[t]``; a token
 of the base model (slot ``-1``) gets nothing added. The native version runs three ATen calls a
@@ -80,6 +82,7 @@ class LoRAApply(CustomOp):
         lora_a: torch.Tensor,
         lora_b: torch.Tensor,
         mapping: LoRAMapping,
+        output_slices: tuple[int, ...] = (),
     ) -> torch.Tensor:
         _, width, in_features = lora_a.shape
         slots = slice(mapping.first_slot, mapping.end_slot)
@@ -107,7 +110,7 @@ class LoRAApply(CustomOp):
             y = torch.randn(len(indices), sum(slices), generator=generator).to(dtype)
             x = torch.randn(len(indices), in_features, generator=generator).to(dtype)
             mapping = LoRAMapping(np.array(indices, dtype=np.int64), x.device)
-            args = (y, x, lora_a.to(dtype), lora_b.to(dtype), mapping)
+            args = (y, x, lora_a.to(dtype), lora_b.to(dtype), mapping, slices)
             examples.append((cls(), args, {}))
         return examples
 

@@ -4,9 +4,9 @@
 // For each token t with slot s = indices[t] >= 0 (slots first_slot .. end_slot - 1 only):
 //   shrink[k] = sum_i lora_a[s, k, i] * x[t, i]                       (k < K, float32 sums)
 //   y[t, o]  += sum_k shrink[k] * lora_b[s, k, o]                      (float32, rounded once)
-// lora_b is block-diagonal (a fused layer's slices), so most of its row is zero; the kernel does
-// not rely on it. Rows of A past an adapter's rank are zero: their shrink is zero and the expand
-// skips them.
+// lora_b is block-diagonal (a fused layer's n slices): with the slices' widths given, row k
+// (block k / (K / n)) is read and added over its slice's columns only. Rows of A past an
+// adapter's rank are zero: their shrink is zero and the expand skips them.
 //
 // Why one thread: at decode sizes (a few tokens, rank 8-16) the op is a few hundred thousand
 // multiply-adds, far less than the cost of waking and joining torch's OpenMP team on a busy
@@ -45,9 +45,22 @@ float dot(const T* a, const float* x, int64_t n) {
 template <typename T>
 void lora_apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                      const at::Tensor& lora_b, const at::Tensor& indices, int64_t first_slot,
-                     int64_t end_slot) {
+                     int64_t end_slot, const std::vector<int64_t>& slices) {
   const int64_t num_tokens = x.size(0), in = x.size(1);
   const int64_t width = lora_a.size(1), out = lora_b.size(2);
+  // Each row's output columns: its block's slice, or every column without slices.
+  const int64_t block = slices.empty() ? width : width / static_cast<int64_t>(slices.size());
+  std::vector<int64_t> col_begin(width, 0), col_end(width, out);
+  if (!slices.empty()) {
+    int64_t offset = 0;
+    for (size_t i = 0; i < slices.size(); ++i) {
+      for (int64_t k = i * block; k < (static_cast<int64_t>(i) + 1) * block; ++k) {
+        col_begin[k] = offset;
+        col_end[k] = offset + slices[i];
+      }
+      offset += slices[i];
+    }
+  }
   const T* xp = x.data_ptr<T>();
   const T* ap = lora_a.data_ptr<T>();
   const T* bp = lora_b.data_ptr<T>();
@@ -67,7 +80,7 @@ void lora_apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
       const float c = shrink[k];
       if (c == 0.f) continue;  // a row past the adapter's rank
       const T* bk = b + k * out;
-      for (int64_t o = 0; o < out; ++o) acc[o] += c * to_float(bk[o]);
+      for (int64_t o = col_begin[k]; o < col_end[k]; ++o) acc[o] += c * to_float(bk[o]);
     }
     for (int64_t o = 0; o < out; ++o) yt[o] = round_to<T>(acc[o]);
   }
@@ -76,7 +89,7 @@ void lora_apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
 // y [T, out] += each token's adapter, in place; returns y.
 at::Tensor lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a,
                       const at::Tensor& lora_b, const at::Tensor& indices, int64_t first_slot,
-                      int64_t end_slot) {
+                      int64_t end_slot, const std::vector<int64_t>& slices) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
               "lora_apply: y [T, out], x [T, in], lora_a [S, K, in], lora_b [S, K, out]");
   TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && lora_a.is_contiguous() &&
@@ -93,10 +106,16 @@ at::Tensor lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_
               "lora_apply: shapes do not match");
   TORCH_CHECK(0 <= first_slot && first_slot <= end_slot && end_slot <= lora_a.size(0),
               "lora_apply: slot range outside the slots");
+  int64_t total = 0;
+  for (int64_t size : slices) total += size;
+  TORCH_CHECK(slices.empty() || (total == y.size(1) &&
+                                 lora_a.size(1) % static_cast<int64_t>(slices.size()) == 0),
+              "lora_apply: the slices must sum to out and divide K");
   if (y.scalar_type() == at::kFloat) {
-    lora_apply_impl<float>(y, x, lora_a, lora_b, indices, first_slot, end_slot);
+    lora_apply_impl<float>(y, x, lora_a, lora_b, indices, first_slot, end_slot, slices);
   } else if (y.scalar_type() == at::kBFloat16) {
-    lora_apply_impl<c10::BFloat16>(y, x, lora_a, lora_b, indices, first_slot, end_slot);
+    lora_apply_impl<c10::BFloat16>(y, x, lora_a, lora_b, indices, first_slot, end_slot,
+                                   slices);
   } else {
     TORCH_CHECK(false, "lora_apply: float32 or bfloat16 only");
   }
