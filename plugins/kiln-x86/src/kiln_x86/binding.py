@@ -33,7 +33,10 @@ USABLE_CPUS_ENV = "KILN_X86_USABLE_CPUS"
 """Cores the API server was allowed before it pinned itself (read by the engine it starts)."""
 
 SMALL_MACHINE_CORES = 4
-"""Below this many usable cores no core is reserved for the API server by default."""
+"""Below this many usable cores no core is reserved for the API server by default, and the model
+runs on one thread: measured on 2 cores with the int8 kernels (README, "Thread binding"), a
+second model thread made decode slower (each of a step's ~250 small parallel regions waits for
+it) and left no core for the API server's streaming."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ def plan_binding(
             )
     if config is not None and role != "api":
         candidates = worker_cpus(config, candidates)
-    num_threads = options.num_threads or len(candidates)
+    num_threads = options.num_threads or (
+        1 if len(usable) < SMALL_MACHINE_CORES else len(candidates)
+    )
     pinned = options.cpus != CPUS_NONE
     if pinned and num_threads > len(candidates):
         raise ValueError(
