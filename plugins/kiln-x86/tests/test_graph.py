@@ -29,8 +29,13 @@ CONTEXT = 9  # tokens cached per request before the decode step: three blocks, t
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def make_tiny_model(folder):
+    """The tiny Llama and its random KV caches, bound: ``(model, caches by layer name)``."""
     folder = save_tiny_model(
-        tmp_path_factory.mktemp("tiny_llama"),
+        folder,
         hidden_size=64,
         intermediate_size=96,
         initializer_range=0.1,

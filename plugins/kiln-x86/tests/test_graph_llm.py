@@ -1,9 +1,10 @@
-"""Greedy output through ``LLM(platform="x86")`` with compiled decode buckets equals the reference
-``cpu`` platform's, in float32.
+"""Greedy output through ``LLM(platform="x86")`` with decode buckets, traced (the default) or
+compiled, equals the reference ``cpu`` platform's, in float32.
 
 The model is a small random Llama (2 layers) with the default model's tokenizer, so prompts are
 text and the compile stays small (seconds, then inductor's cache). Buckets (1, 2) with
-``max_num_seqs=3``: one batch per bucket and one above the largest, which runs eagerly.
+``max_num_seqs=3``: one batch per bucket and one above the largest, which runs eagerly. Without
+``--graph-capture-sizes`` a trace takes its default buckets.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import json, sys
 from kiln import LLM, SamplingParams
 
 folder, platform, sizes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-prompts = json.loads(sys.argv[4])
+prompts, plugin_config = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 llm = LLM(folder, platform=platform, graph_capture_sizes=sizes, dtype="float32",
-          kv_cache_memory=0.05, max_model_len=256, max_num_seqs=3)
+          kv_cache_memory=0.05, max_model_len=256, max_num_seqs=3, plugin_config=plugin_config)
 runner = llm.llm_engine.engine_core.executor.worker.model_runner
 params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
 result = {"wrapper": type(runner.runnable).__name__, "sizes": runner.graph_sizes, "outputs": {}}
@@ -59,17 +60,26 @@ print(json.dumps(result))
 """
 
 
-def _generate(folder: str, platform: str, sizes: list[int] | None) -> dict:
-    proc = run_python(["-c", GENERATE, folder, platform, json.dumps(sizes), json.dumps(PROMPTS)])
+def _generate(folder: str, platform: str, sizes: list[int] | None, plugin_config=None) -> dict:
+    args = [json.dumps(sizes), json.dumps(PROMPTS), json.dumps(plugin_config or {})]
+    proc = run_python(["-c", GENERATE, folder, platform, *args])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_compiled_greedy_matches_cpu_platform(tiny_folder) -> None:
-    x86 = _generate(tiny_folder, "x86", [1, 2])
+@pytest.mark.parametrize(
+    ("graph", "sizes", "wrapper", "expected_sizes"),
+    [
+        ("inductor", [1, 2], "CompiledGraphWrapper", [1, 2]),
+        ("trace", [1, 2], "TracedGraphWrapper", [1, 2]),
+        ("trace", None, "TracedGraphWrapper", [1, 2]),  # the defaults, up to max_num_seqs=3
+    ],
+)
+def test_graph_greedy_matches_cpu_platform(tiny_folder, graph, sizes, wrapper, expected_sizes):
+    x86 = _generate(tiny_folder, "x86", sizes, {"x86": {"graph": graph}})
     cpu = _generate(tiny_folder, "cpu", None)
-    assert x86["wrapper"] == "CompiledGraphWrapper" and x86["sizes"] == [1, 2]
+    assert x86["wrapper"] == wrapper and x86["sizes"] == expected_sizes
     assert cpu["wrapper"] == "EagerGraphWrapper" and cpu["sizes"] == []
     for batch, reference in cpu["outputs"].items():
         for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(

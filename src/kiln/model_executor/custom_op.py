@@ -14,6 +14,11 @@ This module knows nothing about models or platforms. The plugin lifecycle sets t
 dispatch on once, when it selects the process's platform (``OpRegistry.select_device``); until then
 (a layer built and run outside any engine) every call runs ``forward_native``. A forward never
 selects a platform.
+
+``is_capturing()`` tells an implementation that the model is being recorded into a graph
+(``torch.compile`` or ``torch.jit.trace``, a platform's graph wrapper) rather than run: it must
+then call dispatcher ops (``torch.ops.*``), which a graph records, never Python bindings of a
+kernel, which a graph cannot see.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ import torch
 from kiln.plugins.registry import Override, Registry, current_source, describe
 
 ImplFn = Callable[..., Any]
+
+
+def is_capturing() -> bool:
+    """Whether the running forward is being compiled (``torch.compile``) or traced
+    (``torch.jit.trace``) into a graph; see the module docstring."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from kiln.model_executor.custom_op import is_capturing
 from kiln_x86 import kernels
 from kiln_x86.cpuinfo import cpu_flags
 
@@ -109,9 +110,10 @@ def _build_flags() -> list[str]:
 
 def load_gemv_kernels() -> Any:
     """The compiled ``x86_gemv`` extension (``gemv`` only where built with AVX512-VNNI), or None
-    (logged once) where it cannot be built. Under ``torch.compile`` the same functions as
-    ``torch.ops.kiln_x86_gemv`` ops, traced opaque (loaded eagerly before: model loading)."""
-    if torch.compiler.is_compiling():
+    (logged once) where it cannot be built. In a graph being captured (``is_capturing()``) the
+    same functions as ``torch.ops.kiln_x86_gemv`` ops, traced opaque (loaded eagerly before:
+    model loading)."""
+    if is_capturing():
         return _TRACED
     ext = kernels.load_extension("kiln_x86_gemv", SOURCE, _build_flags())
     if ext is not None and not _TRACED.__dict__:

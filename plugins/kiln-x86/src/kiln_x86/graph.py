@@ -1,6 +1,16 @@
-"""kiln-x86's graph wrapper: decode steps as ``torch.compile``d graphs, one per bucket.
+"""kiln-x86's graph wrappers: decode steps replayed from one graph per bucket.
 
-Contract (the wrapper side of ``kiln.worker.graph``): ``capture(sizes)`` makes one
+``TracedGraphWrapper`` (the default, ``x86.graph = "trace"``): ``torch.jit.trace`` records each
+bucket's decode step once at start-up (about a second each), as a graph of dispatcher ops that
+TorchScript's C++ interpreter replays: the model's modules, the op registry's dispatch and the
+Python bindings around each kernel are gone from a step, while every op runs the kernel it ran
+eagerly (``kiln.model_executor.custom_op.is_capturing`` makes them record their
+``torch.ops.*`` form), so the rows equal the eager model's bit for bit. Attention is one opaque
+op (``torch.ops.kiln.unified_attention``) whose Python kernel runs the backend with the step's
+metadata. A trace is exact for the shapes it saw, hence one per bucket; any other size runs
+eagerly.
+
+``CompiledGraphWrapper`` (``x86.graph = "inductor"``): ``capture(sizes)`` makes one
 ``torch.compile`` of the model (inductor's C++ backend, static shapes, the whole forward as one
 graph); the runner's dummy decode at each size then compiles that size's graph, so start-up pays
 for every bucket and serving pays for none. A call whose token count is a captured size runs its
@@ -23,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,3 +92,50 @@ class CompiledGraphWrapper(GraphWrapper):
         # minutes in the middle of a step: dynamo runs that call eagerly instead.
         with torch.compiler.set_stance("eager_on_recompile"):
             return self._compiled(input_ids, positions)
+
+
+class TracedGraphWrapper(GraphWrapper):
+    """``torch.jit.trace`` per bucket, replayed by TorchScript; eager for every other shape.
+    See the module docstring."""
+
+    def __init__(self, runnable: Callable[..., Any], config: KilnConfig) -> None:
+        self.runnable = runnable
+        self.config = config
+        self.sizes: frozenset[int] = frozenset()
+        self._graphs: dict[int, Callable[..., Any]] = {}
+
+    def capture(self, num_tokens: Sequence[int]) -> None:
+        self.sizes = frozenset(num_tokens)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        size = input_ids.shape[0]
+        graph = self._graphs.get(size)
+        if graph is None:
+            if size not in self.sizes:
+                return self.runnable(input_ids, positions)
+            graph = self._graphs[size] = self._trace(input_ids, positions)  # the capture call
+        return graph(input_ids, positions)
+
+    def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Callable[..., Any]:
+        runnable = self.runnable
+
+        # A function, not the module: tracing a module also builds a ScriptModule of its whole
+        # hierarchy, seconds of Python per bucket that replay does not need.
+        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+            return runnable(input_ids, positions)
+
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            # Shape-based branches (which kernel serves this many rows) are meant to be fixed
+            # per bucket: the tracer's warnings about them say nothing here.
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            # NOTE: torch.jit.trace is deprecated in favour of torch.compile / torch.export, whose
+            # compile takes minutes here (CompiledGraphWrapper); torch is pinned (2.13.0).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            graph = torch.jit.trace(decode_step, (input_ids, positions), check_trace=False)
+        logger.info(
+            "kiln-x86: traced the decode step of %d token(s) in %.1f s",
+            input_ids.shape[0],
+            time.perf_counter() - start,
+        )
+        return graph

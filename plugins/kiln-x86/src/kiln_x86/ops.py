@@ -16,7 +16,8 @@ conformance kit compares each with ``forward_native``.
 registered and the reference runs. The ``*_torch`` functions are the torch-only alternatives that
 ``benchmarks/ops_bench.py`` measured against them (see the README for why the C++ kernels won).
 
-Eager calls go straight to the pybind functions (no dispatcher); under ``torch.compile`` the same
+Eager calls go straight to the pybind functions (no dispatcher); in a graph being captured
+(``is_capturing()``: ``torch.compile`` or ``torch.jit.trace``, ``kiln_x86.graph``) the same
 kernels are called as ``torch.ops.kiln_x86.*``, which have fake (meta) implementations so they
 trace as opaque nodes.
 """
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kiln.model_executor.custom_op import register_impl
+from kiln.model_executor.custom_op import is_capturing, register_impl
 from kiln_x86 import gemv
 from kiln_x86.kernels import load_kernels
 
@@ -61,7 +62,7 @@ def _rms_norm_supports(op: Any, x: torch.Tensor, residual: torch.Tensor | None =
 
 def rms_norm(op: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """``rms_norm`` op: [..., hidden] (+ residual) -> normed, or ``(normed, x + residual)``."""
-    if torch.compiler.is_compiling():
+    if is_capturing():
         outs = torch.ops.kiln_x86.rms_norm(x, residual, op.weight, op.variance_epsilon)
     else:
         outs = _KERNELS.rms_norm(x, residual, op.weight, op.variance_epsilon)
@@ -90,7 +91,7 @@ def _rotary_supports(op: Any, positions: torch.Tensor, query: torch.Tensor, key:
 
 def rotary_embedding(op: Any, positions: torch.Tensor, query: torch.Tensor, key: Any) -> Any:
     """``rotary_embedding`` op: [T] positions, [T, H * D] query, [T, Hkv * D] key -> rotated."""
-    if torch.compiler.is_compiling():
+    if is_capturing():
         outs = torch.ops.kiln_x86.rotary_embedding(
             positions, query, key, op.cos_sin_cache, op.head_dim
         )
@@ -120,7 +121,7 @@ def _silu_supports(op: Any, x: torch.Tensor) -> bool:
 
 def silu_and_mul(op: Any, x: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul`` op: [..., 2 * d] -> [..., d]."""
-    if torch.compiler.is_compiling():
+    if is_capturing():
         return torch.ops.kiln_x86.silu_and_mul(x)
     return _KERNELS.silu_and_mul(x)
 
@@ -134,12 +135,7 @@ def silu_and_mul_torch(op: Any, x: torch.Tensor) -> torch.Tensor:
 # -- linear: GGUF weights in kiln_x86.gemv's tiled layout ------------------------------------
 def _linear_supports(op: Any, x: torch.Tensor) -> bool:
     # ``x86_tiled``: set by the int8 linear method on a layer that is one tiled weight.
-    return (
-        "x86_tiled" in op.__dict__
-        and x.dim() == 2
-        and _is_cpu(x)
-        and not torch.compiler.is_compiling()
-    )
+    return "x86_tiled" in op.__dict__ and x.dim() == 2 and _is_cpu(x) and not is_capturing()
 
 
 def linear(op: Any, x: torch.Tensor) -> torch.Tensor:

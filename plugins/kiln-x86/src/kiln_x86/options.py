@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 CPUS_AUTO = "auto"
 CPUS_NONE = "none"
+GRAPH_MODES = ("trace", "inductor")
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -56,7 +57,18 @@ class X86Options:
     it changes nothing (the exact kernels run). ``false``: the exact float kernels (weights
     dequantized in registers; prefill dequantizes and runs the dense bf16 GEMM)."""
 
+    graph: str = "trace"
+    """How decode steps run from a graph per bucket (``kiln_x86.graph``): ``"trace"``
+    (``torch.jit.trace``, about a second per bucket at start-up; buckets 1, 2, 4, 8, 16 by
+    default) or ``"inductor"`` (``torch.compile``, minutes per bucket on a first start; no
+    buckets unless ``--graph-capture-sizes`` names them)."""
+
     def __post_init__(self) -> None:
+        if self.graph not in GRAPH_MODES:
+            raise ValueError(
+                f"x86.graph={self.graph!r} is invalid; allowed: "
+                + ", ".join(repr(m) for m in GRAPH_MODES)
+            )
         if not isinstance(self.int8_activations, bool):
             raise ValueError(
                 f"x86.int8_activations={self.int8_activations!r} is invalid; allowed: true, false"
@@ -81,4 +93,4 @@ class X86Options:
             )
 
 
-__all__ = ["CPUS_AUTO", "CPUS_NONE", "X86Options", "parse_cpu_list"]
+__all__ = ["CPUS_AUTO", "CPUS_NONE", "GRAPH_MODES", "X86Options", "parse_cpu_list"]

@@ -70,6 +70,43 @@ def _dense_where_needed(config: KilnConfig) -> KilnConfig:
     return config
 
 
+TRACED_WRAPPER = "kiln_x86.graph.TracedGraphWrapper"
+COMPILED_WRAPPER = "kiln_x86.graph.CompiledGraphWrapper"
+TRACE_SIZES = (1, 2, 4, 8, 16)
+"""Default decode buckets of ``x86.graph = "trace"`` (up to ``max_num_seqs``): about a second
+of start-up each; a step of more requests runs eagerly, where Python is a small part of it."""
+
+
+def _graph_mode(config: KilnConfig, mode: str) -> KilnConfig:
+    """The graph wrapper of ``x86.graph`` (unless ``device.graph_wrapper_cls`` names one) and its
+    default buckets: ``TRACE_SIZES`` for a trace; none for inductor (compiling one takes minutes
+    on a first start, which every engine start would pay); none with tensor or pipeline
+    parallelism, whose collectives a trace cannot record, or in batch-invariant mode.
+
+    Raises:
+        ValueError: ``--graph-capture-sizes`` given with a trace and tensor or pipeline
+            parallelism.
+    """
+    device, parallel = config.device, config.parallel
+    wrapper = device.graph_wrapper_cls
+    if wrapper == "auto":
+        wrapper = TRACED_WRAPPER if mode == "trace" else COMPILED_WRAPPER
+        config = config.replace(device__graph_wrapper_cls=wrapper)
+    distributed = parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1
+    if device.graph_capture_sizes is None:
+        traced = wrapper == TRACED_WRAPPER
+        quiet = distributed or config.model.batch_invariant
+        sizes = TRACE_SIZES if traced and not quiet else ()
+        return config.replace(device__graph_capture_sizes=sizes)
+    if wrapper == TRACED_WRAPPER and distributed and device.graph_capture_sizes:
+        raise ValueError(
+            f"device.graph_capture_sizes={device.graph_capture_sizes!r} is invalid with "
+            "x86.graph='trace' and tensor or pipeline parallelism (a trace cannot record their "
+            "collectives); allowed: none, or x86.graph='inductor'"
+        )
+    return config
+
+
 class X86Platform(CpuPlatform):
     name = "x86"
     device_type = "cpu"
@@ -104,10 +141,7 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
-        # Decode buckets are opt-in (--graph-capture-sizes 1,2,4,8,16): compiling one takes
-        # minutes on a first start (kiln_x86.graph), which every engine start would pay.
-        if config.device.graph_capture_sizes is None:
-            config = config.replace(device__graph_capture_sizes=())
+        config = _graph_mode(config, cls.options(config).graph)
         return super().check_and_update_config(_dense_where_needed(config))
 
     @classmethod
@@ -120,7 +154,7 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def get_graph_wrapper_cls(cls) -> str:
-        return "kiln_x86.graph.CompiledGraphWrapper"
+        return TRACED_WRAPPER
 
     @classmethod
     def device_info(cls) -> dict[str, Any]:

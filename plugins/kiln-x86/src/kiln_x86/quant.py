@@ -45,6 +45,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
+from kiln.model_executor.custom_op import is_capturing
 from kiln_x86 import gemv, kernels
 from kiln_x86.gemv import TiledWeight
 
@@ -103,11 +104,11 @@ class PackedWeight:
 def load_quant_kernels() -> Any:
     """The compiled ``x86_quant`` extension, or None (logged once) where it cannot be built.
 
-    Under ``torch.compile`` (decode buckets, ``kiln_x86.graph``) it is the same functions as
+    In a graph being captured (decode buckets, ``kiln_x86.graph``) it is the same functions as
     ``torch.ops.kiln_x86_quant`` ops, which trace as opaque nodes with the fake implementations
     below; the extension must have been loaded eagerly before (model loading does it).
     """
-    if torch.compiler.is_compiling():
+    if is_capturing():
         return _TRACED_KERNELS
     ext = kernels.load_extension("kiln_x86_quant", SOURCE)
     if ext is not None and not _TRACED_KERNELS.__dict__:

@@ -9,11 +9,14 @@ cache from ``self.kv_cache``, which the model runner binds once, after allocatin
 The layer knows nothing about the kernels; the backend class comes from the caller or from
 ``get_attn_backend()`` (the platform's choice).
 
-Under ``torch.compile`` (a platform's graph wrapper, ``kiln.worker.graph``) the layer is one
-opaque op, ``torch.ops.kiln.unified_attention(query, key, value, layer_name)``: its metadata
-changes every step, so the compiler must not trace into it. The op runs the layer eagerly at run
-time, finding it by name in the forward context's ``attention_layers`` (a name, not the object, so
-a compiled graph is the same in every process and the on-disk compile cache can reuse it).
+Under ``torch.compile`` or ``torch.jit.trace`` (a platform's graph wrapper, ``kiln.worker.graph``)
+the layer is one opaque op, ``torch.ops.kiln.unified_attention(query, key, value, layer_name)``:
+its metadata changes every step, so the graph must not record what is inside. The op runs the
+layer eagerly at run time, finding it by name in the forward context's ``attention_layers`` (a
+name, not the object, so a compiled graph is the same in every process and the on-disk compile
+cache can reuse it). It is a plain ``torch.library`` op with a Python kernel, not a
+``torch.library.custom_op``, whose wrapper costs more per call and imports dynamo (seconds) on
+the first one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from kiln.forward_context import get_forward_context
+from kiln.model_executor.custom_op import is_capturing
 from kiln.model_executor.layers.attention.backend import AttentionBackend
 
 
@@ -101,7 +105,7 @@ class Attention(nn.Module):
         Raises:
             RuntimeError: outside a forward context, or no KV cache is bound to this layer.
         """
-        if torch.compiler.is_compiling():
+        if is_capturing():
             return torch.ops.kiln.unified_attention(query, key, value, self.layer_name)
         context = get_forward_context()
         num_tokens = query.shape[0]
@@ -125,7 +129,12 @@ class Attention(nn.Module):
         )
 
 
-@torch.library.custom_op("kiln::unified_attention", mutates_args=())
+_LIBRARY = torch.library.Library("kiln", "FRAGMENT")
+_LIBRARY.define(
+    "unified_attention(Tensor query, Tensor key, Tensor value, str layer_name) -> Tensor"
+)
+
+
 def unified_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str
 ) -> torch.Tensor:
@@ -147,7 +156,10 @@ def unified_attention(
     return layers[layer_name](query, key, value)
 
 
-@unified_attention.register_fake
+_LIBRARY.impl("unified_attention", unified_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::unified_attention", lib=_LIBRARY)
 def _unified_attention_fake(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str
 ) -> torch.Tensor:
