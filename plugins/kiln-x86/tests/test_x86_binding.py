@@ -71,3 +71,35 @@ def test_the_api_server_moves_to_its_reserved_core_and_tells_the_engine_what_was
     result = json.loads(proc.stdout)
     assert result["api"] == [CORES[0]]
     assert parse_cpu_list(result["usable"]) == CORES
+
+
+HELPERS_OFFLINE = """
+import json, sys
+from kiln import LLM, SamplingParams
+from kiln_x86 import gemv
+from kiln_x86.binding import thread_affinities
+helpers = int(sys.argv[1])
+llm = LLM(plugin_config={"x86": {"helper_threads": helpers}}, graph_capture_sizes="",
+          max_model_len=256, kv_cache_memory=0.05)
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+prompts = ["The capital of France is", "Write a haiku about the sea."]
+tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+print(json.dumps({"tokens": tokens, "helpers": gemv.load_gemv_kernels().pool_helpers(),
+                  "affinities": list(thread_affinities().values())}))
+"""
+
+
+@needs_two
+@pytest.mark.slow
+def test_matmul_helper_threads_in_an_engine_keep_greedy_output():
+    """``x86.helper_threads=1`` in a real offline engine on the default model: one helper, alone
+    on the core the model's thread leaves, and the same greedy tokens as without it (a row's
+    result does not depend on who computed its tiles)."""
+    results = {}
+    for helpers in (0, 1):
+        proc = run_python(["-c", HELPERS_OFFLINE, str(helpers)])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[helpers] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results[0]["helpers"] == 0 and results[1]["helpers"] == 1
+    assert [CORES[1]] in results[1]["affinities"]
+    assert results[1]["tokens"] == results[0]["tokens"]

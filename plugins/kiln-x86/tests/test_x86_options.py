@@ -28,6 +28,8 @@ def test_cpu_lists_parse_and_format():
         ({"cpus": "0-x"}, "x86.cpus='0-x' is invalid"),
         ({"cpus": "0-1", "num_threads": 3}, "x86.num_threads=3 exceeds the 2 core(s)"),
         ({"int8_activations": "yes"}, "x86.int8_activations='yes' is invalid"),
+        ({"helper_threads": -1}, "x86.helper_threads=-1 is invalid; allowed: >= 0"),
+        ({"graph": "cuda"}, "x86.graph='cuda' is invalid; allowed: 'trace', 'inductor'"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_allowed(values, message):
@@ -53,6 +55,16 @@ def test_larger_machines_keep_one_core_for_the_api_server():
     assert plan == BindingPlan(7, (1, 2, 3, 4, 5, 6, 7), (0,))
     # Offline there is no API server: every core runs the model.
     assert plan_binding(X86Options(), "offline", usable).model_cpus == tuple(usable)
+
+
+def test_helper_threads_take_the_cores_the_model_threads_leave():
+    helpers = X86Options(helper_threads=1)
+    assert plan_binding(helpers, "engine", [0, 1]) == BindingPlan(1, (0,), (), (1,))
+    # More helpers than free cores: the rest run unpinned (-1); no pinning: all unpinned.
+    assert plan_binding(X86Options(helper_threads=2), "offline", [0, 1]).helper_cpus == (1, -1)
+    unpinned = X86Options(cpus="none", helper_threads=1)
+    assert plan_binding(unpinned, "engine", [0, 1]).helper_cpus == (-1,)
+    assert plan_binding(X86Options(), "engine", [0, 1]).helper_cpus == ()
 
 
 def test_explicit_cores_threads_and_no_pinning():

@@ -110,6 +110,28 @@ def test_tiled_rows_do_not_depend_on_the_batch_or_threads() -> None:
         assert torch.equal(quant.matmul(x[i : i + 1], tiled)[0], batched[i])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 200])
+def test_helper_threads_give_the_same_rows(rows: int) -> None:
+    """With matmul helper threads (``x86.helper_threads``) sharing a call's chunks, every row is
+    bit for bit the call's result without them, for decode and prefill row counts; each output
+    tile is written exactly once (the LM head's 3072 tiles included)."""
+    ext = gemv.load_gemv_kernels()
+    gen = torch.Generator().manual_seed(rows)
+    cases = [tiled_case(T.Q4_1, 1000, 576, seed=3)[0], tiled_case(T.Q8_0, 49152, 64, seed=4)[0]]
+    for tiled in cases:
+        x = torch.randn(rows, tiled.in_features, generator=gen)
+        alone = ext.gemv(x, tiled.data, *tiled.args())
+        try:
+            ext.set_pool_helpers([-1, -1])
+            assert ext.pool_helpers() == 2
+            shared = [ext.gemv(x, tiled.data, *tiled.args()) for _ in range(3)]
+        finally:
+            ext.set_pool_helpers([])
+        assert ext.pool_helpers() == 0
+        for out in shared:
+            assert torch.equal(out, alone)
+
+
 def same_on_one_and_two_threads(run) -> torch.Tensor:
     """``run()``'s result on 1 thread, checked equal to its result on 2."""
     threads = torch.get_num_threads()

@@ -47,6 +47,8 @@ class BindingPlan:
     """Core of each model thread, in thread order; None: threads are not pinned."""
     api_cpus: tuple[int, ...]
     """Cores the API server is pinned to; empty: it is not pinned."""
+    helper_cpus: tuple[int, ...] = ()
+    """Core of each matmul helper thread (``x86.helper_threads``; -1: not pinned)."""
 
 
 def usable_cpus() -> list[int]:
@@ -117,7 +119,10 @@ def plan_binding(
     model_cpus = tuple(candidates[:num_threads]) if pinned else None
     taken = set(model_cpus or ())
     api_cpus = tuple([c for c in usable if c not in taken][:reserved]) if beside_api else ()
-    return BindingPlan(num_threads, model_cpus, api_cpus)
+    helpers = options.helper_threads or 0
+    free = [c for c in candidates if c not in taken] if pinned else []
+    helper_cpus = tuple(free[:helpers]) + (-1,) * max(0, helpers - len(free))
+    return BindingPlan(num_threads, model_cpus, api_cpus, helper_cpus)
 
 
 _PARALLEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

@@ -57,6 +57,11 @@ class X86Options:
     it changes nothing (the exact kernels run). ``false``: the exact float kernels (weights
     dequantized in registers; prefill dequantizes and runs the dense bf16 GEMM)."""
 
+    helper_threads: int | None = None
+    """Threads beside the model's that share the int8 matmul kernels' calls (``kiln_x86.gemv``),
+    each pinned to a core of ``cpus`` the model's threads do not use (unpinned where none is
+    left). They claim a call's chunks from one counter, so the model's thread never waits for a
+    helper that the OS has not scheduled (unlike an OpenMP barrier). Default: 0."""
     graph: str = "trace"
     """How decode steps run from a graph per bucket (``kiln_x86.graph``): ``"trace"``
     (``torch.jit.trace``, about a second per bucket at start-up; buckets 1, 2, 4, 8, 16 by
@@ -75,6 +80,8 @@ class X86Options:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"x86.num_threads={self.num_threads} is invalid; allowed: >= 1")
+        if self.helper_threads is not None and self.helper_threads < 0:
+            raise ValueError(f"x86.helper_threads={self.helper_threads} is invalid; allowed: >= 0")
         if self.reserved_cpus is not None and self.reserved_cpus < 0:
             raise ValueError(f"x86.reserved_cpus={self.reserved_cpus} is invalid; allowed: >= 0")
         if self.cpus in (CPUS_AUTO, CPUS_NONE):

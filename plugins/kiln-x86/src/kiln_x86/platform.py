@@ -107,6 +107,16 @@ def _graph_mode(config: KilnConfig, mode: str) -> KilnConfig:
     return config
 
 
+def _start_helpers(cpus: tuple[int, ...]) -> None:
+    """The int8 matmul kernels' helper threads, one per entry of ``cpus`` (-1: not pinned)."""
+    from kiln_x86 import gemv
+
+    if not cpus or not gemv.available():
+        return
+    gemv.load_gemv_kernels().set_pool_helpers(list(cpus))
+    logger.info("x86: %d matmul helper thread(s) on core(s) %s", len(cpus), cpus)
+
+
 class X86Platform(CpuPlatform):
     name = "x86"
     device_type = "cpu"
@@ -195,6 +205,7 @@ class X86Platform(CpuPlatform):
 
         role = process_role()
         plan = plan_binding(cls.options(config), role, usable_cpus(), config)
+        _start_helpers(plan.helper_cpus)
         if plan.model_cpus is None:
             torch.set_num_threads(plan.num_threads)
             logger.info("x86: model on %d unpinned thread(s)", plan.num_threads)

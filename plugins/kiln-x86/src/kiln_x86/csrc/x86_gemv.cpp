@@ -30,6 +30,7 @@
 // runs the same operations in the same order, so every (row, channel) result equals gemv's bit for
 // bit (the tests check it).
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <ATen/Parallel.h>
 
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "work_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KILN_GEMV_VNNI 1
@@ -381,7 +383,7 @@ void gemv_kernel(const Layout& w, const Acts& a, int64_t M, T* out) {
   constexpr int kMaxRows = max_rows<kGroups>();
   // Enough tiles per task that a task streams at least ~32 KiB of weights.
   const int64_t grain = std::max<int64_t>(1, 32768 / (w.nb * w.rec));
-  at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
+  auto tiles = [&](int64_t t0, int64_t t1) {
     alignas(64) float res[kMaxRows * kTile];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTile;
@@ -393,7 +395,12 @@ void gemv_kernel(const Layout& w, const Acts& a, int64_t M, T* out) {
         for (int r = 0; r < rows; ++r) store_row(res + r * kTile, out + (r0 + r) * w.N + n0, mask);
       }
     }
-  });
+  };
+  kiln_x86::WorkPool& pool = kiln_x86::WorkPool::instance();
+  if (pool.helpers() == 0) return at::parallel_for(0, w.tiles, grain, tiles);
+  // Decode with helper threads: chunks of `grain` tiles, claimed by the caller and the helpers.
+  const int64_t chunks = (w.tiles + grain - 1) / grain;
+  pool.run(chunks, [&](int64_t c) { tiles(c * grain, std::min(w.tiles, (c + 1) * grain)); });
 }
 
 template <int kBits, int kGroups, bool kMins, bool kF16>
@@ -780,6 +787,13 @@ TORCH_LIBRARY_IMPL(kiln_x86_gemv, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "rows of a tiled GGUF weight, float32 or bfloat16");
+  m.def(
+      "set_pool_helpers",
+      [](const std::vector<int>& cpus) { kiln_x86::WorkPool::instance().set_helpers(cpus); },
+      "one helper thread per core id (-1: unpinned) that shares gemv's calls with the caller");
+  m.def(
+      "pool_helpers", [] { return kiln_x86::WorkPool::instance().helpers(); },
+      "the number of helper threads gemv's decode calls share their work with");
 #if defined(KILN_GEMV_VNNI)
   m.def("gemv", &gemv, "x @ w.T for a tiled GGUF weight, activations rounded to int8 (VNNI)");
 #endif
