@@ -59,6 +59,25 @@ def test_greedy_output_is_the_same_token_for_token(spec_llm: LLM, llm_f32: LLM) 
     assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
 
 
+def test_a_continuation_reuses_the_blocks_of_accepted_tokens(spec_llm: LLM, llm_f32: LLM) -> None:
+    """Blocks filled by verified steps enter the prefix cache with their accepted tokens only: a
+    second turn whose prompt is the first turn's prompt and answer hits them and continues as
+    without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=48)
+    prompt = spec_llm.get_tokenizer().encode(PROMPTS[0])
+    answer = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    follow_up = prompt + list(answer) + spec_llm.get_tokenizer().encode("\n# Once more:\n")
+    hits = spec_llm.llm_engine.stats.totals.prefix_cache_hits
+    before = spec_counts(spec_llm)
+    spec = results(spec_llm, [follow_up], params)
+    assert spec == results(llm_f32, [follow_up], params)
+    # Every full block of the first turn's prompt and answer was a hit.
+    block_size = spec_llm.llm_engine.config.cache.block_size
+    num_full_blocks = (len(prompt) + len(answer) - 1) // block_size
+    assert spec_llm.llm_engine.stats.totals.prefix_cache_hits - hits >= num_full_blocks * block_size
+    assert spec_counts(spec_llm)[2] > before[2]  # the second turn speculated too
+
+
 def _stop_word(llm: LLM, prompt: str) -> str:
     """A word from the middle of the prompt's greedy answer (a stop string it will meet)."""
     text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
