@@ -11,9 +11,12 @@ network, quantized). Each prompt is generated alone (concurrency 1), by one engi
 speculation and one with ``--speculative-config`` in the same process, alternating prompt by
 prompt so that load from other processes hits both alike; each (engine, workload) is run
 ``--repeats`` times and the best is reported. Prints output tokens per second of each, their
-ratio, the acceptance rate and mean accepted length, and how many answers are identical (greedy
-is token for token the same up to numerics: a verification step computes several tokens per
-request, which can round bfloat16 differently from one).
+ratio (of the bests; of each round, a round running every prompt once on both engines; and of
+output tokens per second of the calling thread's CPU time over all rounds, which load from other
+processes barely moves where the model runs on that thread, as with one model thread), the
+acceptance rate and mean accepted length, and how many answers are identical (greedy is token
+for token the same up to numerics: a verification step computes several tokens of a request in
+one step, and an attention kernel may round a query row differently then; see the README).
 
     .venv/bin/python benchmarks/speculative.py [--num-speculative-tokens 4]
         [--prompt-lookup-max 4] [--max-tokens 192] [--repeats 2] [--dtype auto]
@@ -26,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.stats import spec_decode_rates
@@ -92,12 +97,13 @@ def build(args: argparse.Namespace, speculative: dict | None) -> LLM:
 
 def run_one(
     llm: LLM, conversation: list[dict[str, str]], max_tokens: int
-) -> tuple[int, float, str]:
-    """Tokens, seconds and text of one request alone."""
+) -> tuple[int, float, float, str]:
+    """Tokens, seconds, this thread's CPU seconds and text of one request alone."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     output = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0]
-    return len(output.token_ids), time.perf_counter() - start, output.text
+    cpu = time.thread_time() - start_cpu
+    return len(output.token_ids), time.perf_counter() - start, cpu, output.text
 
 
 def main() -> None:
@@ -138,6 +144,9 @@ def main() -> None:
     results = {}
     for name, conversations in workloads().items():
         best = {engine: 0.0 for engine in engines}
+        round_speedups = []
+        cpu_tokens = {engine: 0 for engine in engines}
+        cpu_seconds = {engine: 0.0 for engine in engines}
         texts: dict[str, list[str]] = {engine: [] for engine in engines}
         before = engines[method].llm_engine.stats.totals
         counts_before = (
@@ -151,12 +160,16 @@ def main() -> None:
             texts = {engine: [] for engine in engines}
             for conversation in conversations:
                 for engine, llm in engines.items():
-                    n, s, text = run_one(llm, conversation, args.max_tokens)
+                    n, s, cpu, text = run_one(llm, conversation, args.max_tokens)
                     tokens[engine] += n
                     seconds[engine] += s
+                    cpu_tokens[engine] += n
+                    cpu_seconds[engine] += cpu
                     texts[engine].append(text)
+            rates = {engine: tokens[engine] / seconds[engine] for engine in engines}
             for engine in engines:
-                best[engine] = max(best[engine], tokens[engine] / seconds[engine])
+                best[engine] = max(best[engine], rates[engine])
+            round_speedups.append(round(rates[method] / rates["none"], 2))
         after = engines[method].llm_engine.stats.totals
         counts = (
             after.spec_num_drafts - counts_before[0],
@@ -168,6 +181,13 @@ def main() -> None:
             "none_tok_s": round(best["none"], 1),
             "spec_tok_s": round(best[method], 1),
             "speedup": round(best[method] / best["none"], 2),
+            "round_speedups": round_speedups,
+            "cpu_speedup": round(
+                cpu_tokens[method]
+                / cpu_seconds[method]
+                / (cpu_tokens["none"] / cpu_seconds["none"]),
+                2,
+            ),
             "acceptance_rate": round(acceptance, 3),
             "mean_accepted_length": round(mean_length, 2),
             "identical_answers": sum(
@@ -180,17 +200,18 @@ def main() -> None:
         return
     print(f"target {args.model or 'default model'}, dtype {args.dtype}, quantization "
           f"{args.quantization}; speculative config: {json.dumps(speculative)}, "
-          f"max_tokens {args.max_tokens}")  # fmt: skip
+          f"max_tokens {args.max_tokens}; torch threads {torch.get_num_threads()}")  # fmt: skip
     print(
         f"| workload | none tok/s | {method} tok/s | speedup | acceptance | mean accepted length "
-        "| identical |"
+        "| identical | speedup per round | speedup in CPU time |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
             f"| {name} | {r['none_tok_s']} | {r['spec_tok_s']} | {r['speedup']}x | "
             f"{r['acceptance_rate']:.1%} | {r['mean_accepted_length']} | "
-            f"{r['identical_answers']}/{r['answers']} |"
+            f"{r['identical_answers']}/{r['answers']} | "
+            f"{', '.join(f'{x}x' for x in r['round_speedups'])} | {r['cpu_speedup']}x |"
         )
 
 

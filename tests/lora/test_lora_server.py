@@ -1,7 +1,10 @@
 """LoRA over HTTP: ``--lora-modules``, the request's ``model`` picking the adapter, ``/v1/models``
 listing adapters with their ``parent``, and ``/v1/load_lora_adapter`` /
 ``/v1/unload_lora_adapter`` while requests run (one server for the module, a tiny random Llama in
-float32; ``--max-loras 2`` so three adapters in flight make requests wait for a slot)."""
+float32; ``--max-loras 2`` so three adapters in flight make requests wait for a slot). Chat
+through the official ``openai`` client: the tiny model's 256-token vocabulary holds the default
+tokenizer's single characters, so a chat template that renders the messages' text alone
+(``CHAT_TEMPLATE``) gives prompts it can read."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from kiln import LLM, SamplingParams
@@ -24,6 +28,8 @@ from serve_utils import BASE_ARGS, KilnServer, stream_events  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 31]
 MAX_TOKENS = 24
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+CHAT_TEXT = "!#$%"  # tokens 17, 19, 20, 21 of the default tokenizer: within the tiny vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +37,7 @@ def server(tiny_base, adapters, gguf_path) -> Iterator[KilnServer]:
     args = [tiny_base, "--tokenizer", gguf_path, *BASE_ARGS, "--max-num-seqs", "8"]
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     args += ["--lora-modules", f"a0={adapters[0].path}", "--allow-runtime-lora-updating"]
+    args += ["--chat-template", CHAT_TEMPLATE]
     server = KilnServer(args)
     yield server
     server.stop()
@@ -83,6 +90,25 @@ def test_model_field_picks_the_adapter(http, expected):
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected[name], model
         assert response.json()["model"] == model  # the adapter's name echoed, as vLLM does
+
+
+def test_chat_names_the_adapter_and_runs_it(server, http):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": CHAT_TEXT}]
+    params = dict(max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    texts = {}
+    for model in ("a0", _base_name(http)):
+        chat = client.chat.completions.create(model=model, messages=messages, **params)
+        assert chat.model == model  # the adapter's name echoed, as vLLM does
+        texts[model] = chat.choices[0].message.content
+        # The chat prompt is the text alone: the completion of that text, adapter and all.
+        completion = client.completions.create(model=model, prompt=CHAT_TEXT, **params)
+        assert texts[model] == completion.choices[0].text, model
+    assert texts["a0"] != texts[_base_name(http)]
+    stream = client.chat.completions.create(model="a0", messages=messages, stream=True, **params)
+    chunks = list(stream)
+    assert len(chunks) > 2 and {chunk.model for chunk in chunks} == {"a0"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == texts["a0"]
 
 
 def test_stream_chunks_name_the_adapter(http):

@@ -116,6 +116,21 @@ def test_sampled_requests_with_the_target_as_draft_accept_nearly_all(spec_self: 
     assert drafts > 0 and accepted >= 0.95 * draft_tokens, (draft_tokens, accepted)
 
 
+def test_seeded_sampled_requests_repeat(spec: LLM) -> None:
+    """The same seeds and prompts give the same tokens again: the draft draws with the request's
+    generator too (see the README on what seeds promise with speculation)."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5 + i, max_tokens=24, ignore_eos=True)
+        for i in range(4)
+    ]
+    prompts = _prompts(spec, 4)
+    before = spec_counts(spec)
+    first = results(spec, prompts, params)
+    drafts, draft_tokens, accepted = _since(spec, before)
+    assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
+    assert results(spec, prompts, params) == first
+
+
 def test_mixed_batch_of_greedy_sampled_and_grammar_requests(plain: LLM, spec: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     regex = SamplingParams(

@@ -59,6 +59,25 @@ def test_greedy_output_is_the_same_token_for_token(spec_llm: LLM, llm_f32: LLM) 
     assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
 
 
+def test_a_continuation_reuses_the_blocks_of_accepted_tokens(spec_llm: LLM, llm_f32: LLM) -> None:
+    """Blocks filled by verified steps enter the prefix cache with their accepted tokens only: a
+    second turn whose prompt is the first turn's prompt and answer hits them and continues as
+    without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=48)
+    prompt = spec_llm.get_tokenizer().encode(PROMPTS[0])
+    answer = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    follow_up = prompt + list(answer) + spec_llm.get_tokenizer().encode("\n# Once more:\n")
+    hits = spec_llm.llm_engine.stats.totals.prefix_cache_hits
+    before = spec_counts(spec_llm)
+    spec = results(spec_llm, [follow_up], params)
+    assert spec == results(llm_f32, [follow_up], params)
+    # Every full block of the first turn's prompt and answer was a hit.
+    block_size = spec_llm.llm_engine.config.cache.block_size
+    num_full_blocks = (len(prompt) + len(answer) - 1) // block_size
+    assert spec_llm.llm_engine.stats.totals.prefix_cache_hits - hits >= num_full_blocks * block_size
+    assert spec_counts(spec_llm)[2] > before[2]  # the second turn speculated too
+
+
 def _stop_word(llm: LLM, prompt: str) -> str:
     """A word from the middle of the prompt's greedy answer (a stop string it will meet)."""
     text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
@@ -125,3 +144,25 @@ def test_tiny_model_greedy_and_preemption_while_speculating(tiny_folder: str) ->
     assert small.llm_engine.stats.totals.preemptions > 0
     drafts, draft_tokens, accepted = spec_counts(small)
     assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
+
+
+def test_seeded_sampled_requests_repeat_with_the_same_config(tiny_folder: str) -> None:
+    """What Kiln promises for seeded sampled requests that speculate (the README): the same
+    seed, prompt and config give the same tokens again (in another engine too). Not promised,
+    as in vLLM: the tokens of no speculation (the rejection sampler draws otherwise; the
+    distribution is the same, see test_sampled_distribution.py)."""
+    common = dict(dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory=0.05)
+    config = NGRAM | {"prompt_lookup_min": 1}
+    first_llm = LLM(tiny_folder, speculative_config=config, **common)
+    tokenizer = first_llm.get_tokenizer()
+    prompts = [tokenizer.encode(f"Item {i}: {CODE}")[:30] for i in range(4)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=4, seed=11 + i, max_tokens=40, ignore_eos=True)
+        for i in range(3)
+    ] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    first = results(first_llm, prompts, params)
+    drafts, draft_tokens, accepted = spec_counts(first_llm)
+    assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
+    assert results(first_llm, prompts, params) == first
+    first_llm.llm_engine.shutdown()
+    assert results(LLM(tiny_folder, speculative_config=config, **common), prompts, params) == first

@@ -138,6 +138,14 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         )
 
 
+def test_lora_adapter_routes_need_their_flag(http: httpx.Client) -> None:
+    """As vLLM: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` exist only with
+    ``--allow-runtime-lora-updating`` (this server has neither it nor ``--enable-lora``)."""
+    body = {"lora_name": "x", "lora_path": "/nonexistent"}
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 404
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
+
+
 def test_server_keeps_serving_after_errors(client: openai.OpenAI) -> None:
     for _ in range(3):
         with pytest.raises(openai.BadRequestError):
