@@ -148,3 +148,31 @@ def test_int8_activations_are_the_default(sections, expected):
     proc = run_python(["-c", INT8_SWITCH.replace("{SECTIONS}", repr(sections))])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-1] == expected
+
+
+def test_graph_mode_picks_the_wrapper_and_its_default_buckets():
+    from kiln_x86.platform import COMPILED_WRAPPER, TRACE_SIZES, TRACED_WRAPPER, _graph_mode
+
+    from kiln.config import KilnConfig
+
+    base = KilnConfig()
+    traced = _graph_mode(base, "trace").device
+    assert traced.graph_wrapper_cls == TRACED_WRAPPER
+    assert traced.graph_capture_sizes == TRACE_SIZES
+    compiled = _graph_mode(base, "inductor").device
+    assert (compiled.graph_wrapper_cls, compiled.graph_capture_sizes) == (COMPILED_WRAPPER, ())
+    # Collectives and batch invariance: no buckets by default.
+    for replaced in (
+        {"parallel__tensor_parallel_size": 2},
+        {"parallel__pipeline_parallel_size": 2},
+        {"model__batch_invariant": True},
+    ):
+        assert _graph_mode(base.replace(**replaced), "trace").device.graph_capture_sizes == ()
+    # Named buckets are kept; with a trace and tensor parallelism they are refused.
+    named = base.replace(device__graph_capture_sizes=(1, 4))
+    assert _graph_mode(named, "trace").device.graph_capture_sizes == (1, 4)
+    with pytest.raises(ValueError, match="device.graph_capture_sizes=.*x86.graph='trace'"):
+        _graph_mode(named.replace(parallel__tensor_parallel_size=2), "trace")
+    # A wrapper named in the config is kept.
+    eager = base.replace(device__graph_wrapper_cls="kiln.worker.graph.EagerGraphWrapper")
+    assert _graph_mode(eager, "trace").device.graph_wrapper_cls.endswith("EagerGraphWrapper")
