@@ -2,7 +2,8 @@
 TP=2 places one rank on each node, and greedy tokens in float32 at TP=2 and PP=2 on Ray (two
 batches in flight) equal TP=1 on a small random Llama (4 KV heads, odd vocabulary) and, at TP=2,
 on the default model. A rank's actor killed mid-request: the request ends with an error promptly,
-``/health`` answers 503, ``kiln serve`` exits non-zero and no actor is left."""
+``/health`` answers 503, ``kiln serve`` exits non-zero and no actor is left; killed while the
+engine is idle: ``/health`` turns 503 with no request in flight, and the same."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ import tempfile
 import time
 
 import httpx
+import openai
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
 from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS  # noqa: E402
-from serve_utils import BASE_ARGS, KilnServer, is_running  # noqa: E402
+from serve_utils import API_KEY, BASE_ARGS, KilnServer, is_running  # noqa: E402
 
 ray = pytest.importorskip("ray")  # the optional extra: pip install 'kiln[ray]'
 
@@ -157,16 +159,15 @@ def test_tp2_on_two_ray_nodes_equals_tp1_on_the_default_model(
     assert len(set(node_ids)) == 2
 
 
-def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(
-    ray_cluster, tiny_llama, gguf_path
-):
-    folder, _ = tiny_llama
+def _tp2_ray_server(address: str, folder: str, tokenizer: str) -> tuple[KilnServer, list[int]]:
+    """``kiln serve`` of ``folder`` at TP=2 on the Ray cluster at ``address``, and the pids of
+    its two ranks' actors."""
     before = set(_pids_with(ACTOR_TITLE))
     args = [
         folder,
         *BASE_ARGS,
         "--tokenizer",
-        gguf_path,
+        tokenizer,
         "--kv-cache-memory",  # the last one counts: the tiny model needs little
         "0.02",
         "--tensor-parallel-size",
@@ -174,12 +175,31 @@ def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(
         "--distributed-executor-backend",
         "ray",
         "--ray-address",
-        ray_cluster,
+        address,
     ]
     server = KilnServer(args, start_timeout=600)
+    actors = sorted(set(_pids_with(ACTOR_TITLE)) - before)
+    if len(actors) != 2:
+        server.stop()
+        raise AssertionError(f"{len(actors)} new actor processes, not 2")
+    return server, actors
+
+
+def _assert_gone(server: KilnServer, actors: list[int]) -> None:
+    """``kiln serve`` exits non-zero and the actors' processes end."""
+    assert server.proc.wait(30) != 0
+    deadline = time.monotonic() + 30
+    while any(is_running(p) for p in actors) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in actors if is_running(p)], "actors left behind"
+
+
+def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(
+    ray_cluster, tiny_llama, gguf_path
+):
+    folder, _ = tiny_llama
+    server, actors = _tp2_ray_server(ray_cluster, folder, gguf_path)
     try:
-        actors = sorted(set(_pids_with(ACTOR_TITLE)) - before)
-        assert len(actors) == 2
         http = httpx.Client(base_url=server.url, timeout=60)
         body = {"prompt": [1, 5, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
         response = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
@@ -193,12 +213,35 @@ def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(
         assert any('"error"' in line for line in rest), rest[-3:]
         with contextlib.suppress(httpx.HTTPError):  # the server may already be gone
             assert http.get("/health", timeout=2).status_code == 503
-        assert server.proc.wait(30) != 0
-        deadline = time.monotonic() + 30
-        while any(is_running(p) for p in actors) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in actors if is_running(p)], "actors left behind"
+        _assert_gone(server, actors)
         response.close()
         http.close()
+    finally:
+        server.stop()
+
+
+def test_killing_a_rank_actor_while_idle_turns_health_503_and_stops_the_server(
+    ray_cluster, tiny_llama, gguf_path
+):
+    folder, _ = tiny_llama
+    server, actors = _tp2_ray_server(ray_cluster, folder, gguf_path)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt=[1, 5, 9], max_tokens=4)
+        assert completion.choices[0].finish_reason == "length"
+        time.sleep(1)  # idle: the engine core waits for input
+        os.kill(actors[1], signal.SIGKILL)
+        killed = time.monotonic()
+        status = 200
+        while status == 200 and time.monotonic() - killed < 30:
+            try:
+                status = httpx.get(f"{server.url}/health", timeout=2).status_code
+            except httpx.HTTPError:
+                status = 0  # already gone
+            time.sleep(0.1)
+        assert status != 200, "the idle engine did not notice its dead actor"
+        assert time.monotonic() - killed < 10
+        _assert_gone(server, actors)
     finally:
         server.stop()

@@ -17,6 +17,10 @@ Contract:
 - While it waits the executor watches every rank: an actor that dies fails the call within
   ``POLL_S`` of Ray reporting it with ``WorkerDiedError``, a rank that raises fails it with its
   traceback (the engine core then reports the error to every request in flight and exits).
+  Between calls ``check_health()`` (which an idle engine core calls every second) collects the
+  ranks' answers to the pings it sent the time before and pings again, never waiting: an actor
+  that dies while the engine is idle raises ``WorkerDiedError`` within a call or two of Ray
+  reporting it. Ray gives no file descriptor for an actor's exit, so ``sentinels()`` is empty.
 - ``shutdown`` asks the ranks to stop, kills the actors, removes the placement group and
   disconnects: no actor outlives it. An engine core that dies takes its actors with it (Ray kills
   the actors of a driver that is gone).
@@ -86,6 +90,9 @@ class RayWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
+    def ping(self) -> None:
+        """Nothing: the answer (or Ray's ``RayActorError``) tells the executor the actor lives."""
+
     def start(self, local_rank: int, distributed_init_method: str) -> None:
         self.worker = start_worker(self.config, self.rank, local_rank, distributed_init_method)
 
@@ -108,6 +115,8 @@ class RayExecutor(MultiRankExecutor):
         self.placement_group: Any = None
         self.owns_connection = False
         self.is_shut_down = False
+        self._pings: dict[int, Any] = {}
+        """Per rank, the object ref of the ping ``check_health`` sent last and has no answer to."""
 
     def initialize(self) -> None:
         try:
@@ -198,6 +207,22 @@ class RayExecutor(MultiRankExecutor):
         """The output rank's answer to the batch of ``refs``, watching every rank meanwhile."""
         return self._get(refs, "execute_model")[self.output_rank]
 
+    def check_health(self) -> None:
+        """Raises ``WorkerDiedError`` when a rank's actor has died (Ray reports it to the pings
+        sent by the previous call); never waits."""
+        import ray
+
+        if self.is_shut_down:
+            raise WorkerDiedError("the workers are shut down")
+        pings = self._pings
+        if pings:
+            ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+            for rank in [rank for rank, ref in pings.items() if ref in ready]:
+                self._result(pings.pop(rank), rank, "idle")
+        for rank, actor in enumerate(self.actors):
+            if rank not in pings:  # answered (or never pinged): ask again
+                pings[rank] = actor.ping.remote()
+
     def shutdown(self) -> None:
         """Stop every rank (asked, then killed), free the placement group, disconnect (stopping
         a local cluster this executor started); idempotent."""
@@ -245,7 +270,6 @@ class RayExecutor(MultiRankExecutor):
     def _get(self, refs: list[Any], what: str, deadline: float | None = None) -> list[Any]:
         """The results of ``refs`` (one per rank, in rank order), failing as soon as any fails."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
 
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
@@ -253,18 +277,28 @@ class RayExecutor(MultiRankExecutor):
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             for ref in ready:
                 rank = pending.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayActorError as exc:
-                    raise WorkerDiedError(
-                        f"rank {rank}'s Ray actor died during {what}: {exc}"
-                    ) from None
-                except RayTaskError as exc:
-                    raise RuntimeError(f"rank {rank} failed in {what}:\n{exc}") from None
+                results[rank] = self._result(ref, rank, what)
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(pending.values())
                 raise TimeoutError(f"ranks {missing} did not {what} within {START_TIMEOUT_S:.0f} s")
         return results
+
+    def _result(self, ref: Any, rank: int, what: str) -> Any:
+        """The value of ``ref``, rank ``rank``'s answer (ready: this does not wait).
+
+        Raises:
+            WorkerDiedError: the rank's actor died.
+            RuntimeError: the rank raised (its traceback in the message).
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            raise WorkerDiedError(f"rank {rank}'s Ray actor died during {what}: {exc}") from None
+        except RayTaskError as exc:
+            raise RuntimeError(f"rank {rank} failed in {what}:\n{exc}") from None
 
 
 class _RayBatchOutput(ModelOutputFuture):
