@@ -86,17 +86,10 @@ print(json.dumps(tokens))
 
 
 @pytest.mark.slow
-def test_collectives_run_through_the_communicator_the_platform_names(tmp_path, gguf_path):
-    folder = save_tiny_model(
-        tmp_path / "llama",
-        "llama",
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        vocab_size=257,
-        initializer_range=0.2,  # peaked logits: no greedy ties
-    )
+def test_collectives_run_through_the_communicator_the_platform_names(
+    tmp_path, tiny_llama, gguf_path
+):
+    folder, _ = tiny_llama  # its tokens are the x86 platform's: compared here on the plugin's
     log = tmp_path / "collectives.log"
     # The test plugin's platform (a process selects its platform once: a fresh interpreter).
     env = {
