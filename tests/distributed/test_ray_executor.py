@@ -3,7 +3,9 @@ TP=2 places one rank on each node, and greedy tokens in float32 at TP=2 and PP=2
 batches in flight) equal TP=1 on a small random Llama (4 KV heads, odd vocabulary) and, at TP=2,
 on the default model. A rank's actor killed mid-request: the request ends with an error promptly,
 ``/health`` answers 503, ``kiln serve`` exits non-zero and no actor is left; killed while the
-engine is idle: ``/health`` turns 503 with no request in flight, and the same."""
+engine is idle: ``/health`` turns 503 with no request in flight, and the same. Two engines
+(``--data-parallel-size 2``) on Ray run on a node each. Without a cluster address Kiln starts a
+local Ray instance and stops it at shutdown."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
 from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS  # noqa: E402
-from serve_utils import API_KEY, BASE_ARGS, KilnServer, is_running  # noqa: E402
+from serve_utils import API_KEY, BASE_ARGS, KilnServer, child_pids, is_running  # noqa: E402
 
 ray = pytest.importorskip("ray")  # the optional extra: pip install 'kiln[ray]'
 
@@ -192,6 +194,70 @@ def _assert_gone(server: KilnServer, actors: list[int]) -> None:
     while any(is_running(p) for p in actors) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in actors if is_running(p)], "actors left behind"
+
+
+def test_without_an_address_a_local_cluster_is_started_and_stopped(
+    tiny_llama, gguf_path, monkeypatch
+):
+    from kiln import LLM
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    folder, tp1 = tiny_llama
+    assert not ray.is_initialized()
+    llm = LLM(
+        folder,
+        tokenizer=gguf_path,
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    try:
+        # Its head (GCS) and node manager are this process's children.
+        ray_pids = [p for p in child_pids(os.getpid()) if b"raylet" in _cmdline(p)]
+        assert ray_pids and llm.llm_engine.engine_core.executor.owns_connection
+        outputs = llm.generate(TOKEN_PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == tp1
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 30
+    while any(is_running(p) for p in ray_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in ray_pids if is_running(p)], "the local cluster outlived shutdown"
+
+
+def _cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+    return b""
+
+
+def test_two_engines_on_ray_run_on_a_node_each(ray_cluster, tiny_llama, gguf_path):
+    folder, _ = tiny_llama
+    before = set(_pids_with(ACTOR_TITLE))
+    args = [folder, *BASE_ARGS, "--tokenizer", gguf_path, "--kv-cache-memory", "0.02"]
+    args += ["--data-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    server = KilnServer([*args, "--ray-address", ray_cluster], start_timeout=600)
+    try:
+        actors = sorted(set(_pids_with(ACTOR_TITLE)) - before)
+        assert len(actors) == 2
+        # A node's actors are its raylet's children: one actor under each node's raylet.
+        raylets = {_parent_pid(pid) for pid in actors}
+        assert len(raylets) == 2, raylets
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt in ([1, 5, 9], [3, 256, 7]):
+            completion = client.completions.create(model=model, prompt=prompt, max_tokens=4)
+            assert completion.choices[0].finish_reason == "length"
+    finally:
+        server.stop()
+
+
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_killing_a_rank_actor_mid_request_fails_it_and_stops_the_server(

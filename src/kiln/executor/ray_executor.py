@@ -5,11 +5,14 @@ Contract:
   ``RAY_ADDRESS``, else a local cluster it starts (and stops at ``shutdown``); a connection this
   process already has is used as it is. It reserves a placement group of ``world_size`` bundles
   of one CPU each (PACK: ranks share a node while it has CPUs free and spread over nodes when it
-  has not) and starts one actor (``RayWorker``) in each. Rank 0's actor names its node's address
-  and a free port there, the torch.distributed rendezvous every rank joins; then each rank runs
-  the platform's worker class (``start_worker``, as the multiprocess executor does) and loads its
-  part of the model. All of it within ``START_TIMEOUT_S``; a rank that fails to start fails
-  ``initialize`` with its traceback, and everything is released.
+  has not) and starts one actor (``RayWorker``) in each. With data parallelism each engine's
+  ranks share one node (STRICT_PACK), engine ``i``'s the ``i``-th of the nodes (by node id) with
+  a CPU per rank, wrapping around: each engine has its own node while there are as many.
+  Rank 0's actor names its node's address and a free port there, the torch.distributed
+  rendezvous every rank joins; then each rank runs the platform's worker class
+  (``start_worker``, as the multiprocess executor does) and loads its part of the model. All
+  of it within ``START_TIMEOUT_S``; a rank that fails to start fails ``initialize`` with its
+  traceback, and everything is released.
 - Each call goes to every rank: its arguments are put in the object store once and the same
   object reaches every actor. ``execute_model`` returns the output rank's answer
   (``output_rank``); every rank answers the other calls. ``execute_model_async`` submits a batch
@@ -54,6 +57,8 @@ from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: its node id (a placement group's bundles may select on it)."""
 START_TIMEOUT_S = WORKER_START_TIMEOUT_S
 """Longest the ranks may take to be placed, start and load, on a busy cluster."""
 PLACEMENT_TIMEOUT_S = 120.0
@@ -131,12 +136,14 @@ class RayExecutor(MultiRankExecutor):
         try:
             self._connect(ray)
             bundles = [{"CPU": 1.0}] * self.world_size
-            self.placement_group = placement_group(bundles, strategy="PACK")
+            placement = self._placement(ray)
+            self.placement_group = placement_group(bundles, **placement)
             if not self.placement_group.wait(PLACEMENT_TIMEOUT_S):
                 raise TimeoutError(
                     f"the Ray cluster found no CPU for each of {self.world_size} ranks within "
                     f"{PLACEMENT_TIMEOUT_S:.0f} s (it has {ray.cluster_resources().get('CPU', 0)} "
-                    f"CPUs, {ray.available_resources().get('CPU', 0)} free)"
+                    f"CPUs, {ray.available_resources().get('CPU', 0)} free; placement "
+                    f"{placement})"
                 )
             actor_cls = ray.remote(num_cpus=1)(RayWorker)
             for rank in range(self.world_size):
@@ -189,6 +196,25 @@ class RayExecutor(MultiRankExecutor):
         if is_main:
             signal.signal(signal.SIGTERM, sigterm)
         self.owns_connection = True
+
+    def _placement(self, ray: Any) -> dict[str, Any]:
+        """The placement group's strategy (see the module docstring): PACK, or with data
+        parallelism STRICT_PACK on this engine's node."""
+        parallel = self.config.parallel
+        if parallel.data_parallel_size == 1:
+            return {"strategy": "PACK"}
+        nodes = sorted(
+            node["NodeID"]
+            for node in ray.nodes()
+            if node["Alive"] and node["Resources"].get("CPU", 0) >= self.world_size
+        )
+        if not nodes:
+            return {"strategy": "STRICT_PACK"}  # none is big enough yet: wait for one to join
+        node_id = nodes[parallel.data_parallel_rank % len(nodes)]
+        return {
+            "strategy": "STRICT_PACK",
+            "bundle_label_selector": [{NODE_ID_LABEL: node_id}] * self.world_size,
+        }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
