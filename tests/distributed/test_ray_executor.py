@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS  # noqa: E402
+from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS, small_llm  # noqa: E402
 from serve_utils import API_KEY, BASE_ARGS, KilnServer, child_pids, is_running  # noqa: E402
 
 ray = pytest.importorskip("ray")  # the optional extra: pip install 'kiln[ray]'
@@ -109,17 +109,7 @@ def ray_cluster():
 def _on_ray(address: str, model: str, prompts: list, **kwargs) -> tuple[list, list[str], set, int]:
     """Greedy tokens on the Ray executor, the node of each rank, the cluster's live nodes, and the
     most batches that were in flight at once."""
-    from kiln import LLM
-
-    llm = LLM(
-        model,
-        dtype="float32",
-        kv_cache_memory=0.02,
-        max_model_len=256,
-        distributed_executor_backend="ray",
-        ray_address=address,
-        **kwargs,
-    )
+    llm = small_llm(model, distributed_executor_backend="ray", ray_address=address, **kwargs)
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         core = llm.llm_engine.engine_core
@@ -199,19 +189,11 @@ def _assert_gone(server: KilnServer, actors: list[int]) -> None:
 def test_without_an_address_a_local_cluster_is_started_and_stopped(
     tiny_llama, gguf_path, monkeypatch
 ):
-    from kiln import LLM
-
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     folder, tp1 = tiny_llama
     assert not ray.is_initialized()
-    llm = LLM(
-        folder,
-        tokenizer=gguf_path,
-        dtype="float32",
-        kv_cache_memory=0.02,
-        max_model_len=256,
-        tensor_parallel_size=2,
-        distributed_executor_backend="ray",
+    llm = small_llm(
+        folder, tokenizer=gguf_path, tensor_parallel_size=2, distributed_executor_backend="ray"
     )
     try:
         # Its head (GCS) and node manager are this process's children.

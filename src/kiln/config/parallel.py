@@ -18,7 +18,7 @@ class ParallelConfig:
     """Devices one copy of the model is split over."""
     pipeline_parallel_size: int = field(default=1, metadata={"aliases": ("-pp",)})
     """Stages one copy of the model's layers is split over, one rank each, run in turn (the
-    first embeds, the last samples); not yet combined with tensor_parallel_size > 1."""
+    first embeds, the last samples); each stage is split over ``tensor_parallel_size`` ranks."""
     ray_address: str | None = None
     """The Ray cluster of the ray backend (its head's host:port, or "auto"); None: the
     ``RAY_ADDRESS`` environment variable, else a local cluster Kiln starts and stops."""
@@ -55,13 +55,6 @@ class ParallelConfig:
             "parallel.pipeline_parallel_size",
             self.pipeline_parallel_size,
             "an integer >= 1",
-        )
-        check(
-            self.pipeline_parallel_size == 1 or self.tensor_parallel_size == 1,
-            "parallel.pipeline_parallel_size",
-            self.pipeline_parallel_size,
-            f"1 with tensor_parallel_size={self.tensor_parallel_size} (pipeline and tensor "
-            "parallelism are not combined yet)",
         )
         check(
             self.data_parallel_size >= 1,

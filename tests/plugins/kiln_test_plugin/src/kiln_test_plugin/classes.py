@@ -78,8 +78,8 @@ class LoggingCommunicator(TorchDistCommunicator):
     first time it runs each collective: a test sees that the model's collectives come here.
     (The duck-typed variants below fail the interface check on purpose.)"""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
-        super().__init__(rank, world_size, device)
+    def __init__(self, rank: int, world_size: int, device: torch.device, ranks: Any = None) -> None:
+        super().__init__(rank, world_size, device, ranks)
         self.logged: set[str] = set()
 
     def _log(self, method: str) -> None:
