@@ -64,8 +64,27 @@ def _pids_with(needle: bytes) -> list[int]:
     return pids
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_auth():
+    """Ray without token authentication in this module, for the clusters and every driver.
+
+    Ray 2.60 turns token authentication on for a local instance (``ray.init()`` with no
+    cluster), writing ``~/.ray/auth_token``; a ``ray start`` run while that file exists turns
+    it on too, but a driver connecting to the cluster does not read the file unless
+    ``RAY_AUTH_MODE=token``, and fails. One mode set for all keeps the tests independent of
+    what ran before on the machine (and writes no token file).
+    """
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield
+    if previous is None:
+        del os.environ["RAY_AUTH_MODE"]
+    else:
+        os.environ["RAY_AUTH_MODE"] = previous
+
+
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(no_ray_auth):
     """``host:port`` of a two-node Ray cluster on this machine (1 CPU per node, no dashboard,
     small object stores), in its own temp dir; every process it started is gone afterwards."""
     ray_bin = str(pathlib.Path(sys.executable).parent / "ray")
