@@ -5,7 +5,7 @@ on the default model. A rank's actor killed mid-request: the request ends with a
 ``/health`` answers 503, ``kiln serve`` exits non-zero and no actor is left; killed while the
 engine is idle: ``/health`` turns 503 with no request in flight, and the same. Two engines
 (``--data-parallel-size 2``) on Ray run on a node each. Without a cluster address Kiln starts a
-local Ray instance and stops it at shutdown."""
+local Ray instance (here for PP=2 x TP=2, whose tokens equal TP=1) and stops it at shutdown."""
 
 from __future__ import annotations
 
@@ -211,8 +211,13 @@ def test_without_an_address_a_local_cluster_is_started_and_stopped(
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     folder, tp1 = tiny_llama
     assert not ray.is_initialized()
+    # PP=2 x TP=2: four actors, one CPU each, on the local instance.
     llm = small_llm(
-        folder, tokenizer=gguf_path, tensor_parallel_size=2, distributed_executor_backend="ray"
+        folder,
+        tokenizer=gguf_path,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
     )
     try:
         # Its head (GCS) and node manager are this process's children.
