@@ -25,24 +25,21 @@ def test_invalid_values_name_field_value_and_allowed(make, needle):
 def test_every_field_has_a_default_and_a_docstring():
     import ast
     import inspect
+    import textwrap
 
-    import kiln.config as config_module
+    from kiln.config import SECTIONS
 
-    tree = ast.parse(inspect.getsource(config_module))
-    for node in tree.body:
-        if (
-            isinstance(node, ast.ClassDef)
-            and node.name.endswith("Config")
-            and node.name != "KilnConfig"
-        ):
-            body = node.body
-            for i, stmt in enumerate(body):
-                if isinstance(stmt, ast.AnnAssign):
-                    assert stmt.value is not None, f"{node.name}.{stmt.target.id} has no default"
-                    doc = body[i + 1] if i + 1 < len(body) else None
-                    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), (
-                        f"{node.name}.{stmt.target.id} has no docstring"
-                    )
+    for section in SECTIONS.values():
+        (node,) = ast.parse(textwrap.dedent(inspect.getsource(section))).body
+        assert isinstance(node, ast.ClassDef)
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                assert stmt.value is not None, f"{node.name}.{stmt.target.id} has no default"
+                doc = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), (
+                    f"{node.name}.{stmt.target.id} has no docstring"
+                )
 
 
 def test_replace_validates_and_diff_lists_changes():

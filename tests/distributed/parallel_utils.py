@@ -13,9 +13,14 @@ TOKEN_PROMPTS = [
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
+def small_llm(model: str, **kwargs) -> LLM:
+    """An ``LLM`` of ``model`` in float32 with a small KV cache and context, and ``kwargs``."""
+    return LLM(model, dtype="float32", kv_cache_memory=0.02, max_model_len=256, **kwargs)
+
+
 def greedy_tokens(model: str, prompts: list, **kwargs) -> list[list[int]]:
-    """Greedy float32 token ids of ``prompts`` from an ``LLM`` built with ``kwargs``."""
-    llm = LLM(model, dtype="float32", kv_cache_memory=0.02, max_model_len=256, **kwargs)
+    """Greedy float32 token ids of ``prompts`` from a ``small_llm`` built with ``kwargs``."""
+    llm = small_llm(model, **kwargs)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     finally:

@@ -3,7 +3,8 @@ and residual handed from stage to stage through the platform's communicator) equ
 default model (tied LM head on a stage without the embedding) and on a small random Llama with 4
 KV heads, an odd vocabulary and 3 layers (an uneven split), with two batches in flight (the
 requests split into micro-batches); a request aborted while its batch is in flight ends without
-disturbing the others; a stage killed mid-request fails the request at once and stops
+disturbing the others; PP=2 x TP=2 (four ranks) equals TP=1 too, and needs a communicator that
+takes a sub-group; a stage killed mid-request fails the request at once and stops
 ``kiln serve``; a stage builds and loads only its own layers; bad sizes are refused."""
 
 from __future__ import annotations
@@ -21,16 +22,26 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import ParallelConfig
-from kiln.distributed.communicator import Communicator
-from kiln.distributed.parallel_state import PipelineParallelGroup, set_pp_group
+from kiln.config import DeviceConfig, KilnConfig, ParallelConfig
+from kiln.distributed.communicator import Communicator, TorchDistCommunicator
+from kiln.distributed.parallel_state import (
+    PipelineParallelGroup,
+    init_pipeline_group,
+    set_pp_group,
+)
 from kiln.model_executor.loader import get_loader
 from kiln.model_executor.models.llama import LlamaForCausalLM
 from kiln.testing.models import save_tiny_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS, greedy_tokens  # noqa: E402
+from parallel_utils import (  # noqa: E402
+    GREEDY,
+    TEXT_PROMPTS,
+    TOKEN_PROMPTS,
+    greedy_tokens,
+    small_llm,
+)
 from serve_utils import KilnServer, child_pids, engine_core_pid, is_running  # noqa: E402
 
 MAX_STEPS = 200
@@ -40,14 +51,7 @@ MAX_STEPS = 200
 @pytest.fixture(scope="module")
 def tiny_pp2(tiny_llama, gguf_path) -> Iterator[LLM]:
     """The small random Llama over two stages (two worker processes), shared by the module."""
-    llm = LLM(
-        tiny_llama[0],
-        tokenizer=gguf_path,
-        dtype="float32",
-        kv_cache_memory=0.02,
-        max_model_len=256,
-        pipeline_parallel_size=2,
-    )
+    llm = small_llm(tiny_llama[0], tokenizer=gguf_path, pipeline_parallel_size=2)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -104,6 +108,23 @@ def test_a_request_aborted_in_flight_ends_and_leaves_the_others_unchanged(tiny_l
 
 
 @pytest.mark.slow
+def test_pp2_by_tp2_greedy_tokens_equal_tp1_with_batches_in_flight(tiny_llama, gguf_path):
+    # Four ranks: each stage's layers split over two tensor-parallel ranks (its own all-reduces),
+    # each rank handing its hidden states to the same rank of the next stage.
+    folder, tp1 = tiny_llama
+    llm = small_llm(folder, tokenizer=gguf_path, pipeline_parallel_size=2, tensor_parallel_size=2)
+    try:
+        engine = llm.llm_engine
+        for i, prompt in enumerate(TOKEN_PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        tokens = _step_until_done(llm)
+        assert [tokens[f"r{i}"] for i in range(len(TOKEN_PROMPTS))] == tp1
+        assert engine.engine_core.max_num_batches_in_flight == 2
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
 def test_pp2_greedy_tokens_equal_tp1_on_the_default_model(gguf_path, default_model_tokens):
     # quantization auto: dense weights with more than one rank; SmolLM2's head is tied.
     assert greedy_tokens(gguf_path, TEXT_PROMPTS, pipeline_parallel_size=2) == default_model_tokens
@@ -118,6 +139,23 @@ class UnusedCommunicator(Communicator):
         raise AssertionError("no traffic while building")
 
     all_gather = broadcast = barrier = send = recv = all_reduce
+
+
+class WholeGroupCommunicator(TorchDistCommunicator):
+    """A communicator written before sub-groups: its constructor takes no ``ranks``."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+        super().__init__(rank, world_size, device)
+
+
+def test_pp_with_tp_needs_a_communicator_that_takes_a_sub_group():
+    config = KilnConfig(
+        parallel=ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2),
+        device=DeviceConfig(communicator_cls=f"{__name__}.WholeGroupCommunicator"),
+    )
+    needle = r"tensor_parallel_size=2 needs a communicator that takes a sub-group .* 'ranks'"
+    with pytest.raises(ValueError, match=needle):
+        init_pipeline_group(config, 3, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -176,10 +214,7 @@ def test_more_stages_than_layers_is_refused():
     ("kwargs", "needle"),
     [
         ({"pipeline_parallel_size": 0}, r"parallel.pipeline_parallel_size=0 .* >= 1"),
-        (
-            {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-            r"parallel.pipeline_parallel_size=2 .* allowed: 1 with tensor_parallel_size=2",
-        ),
+        ({"pipeline_parallel_size": 2, "rank": 2}, r"parallel.rank=2 .* allowed: 0\.\.1"),
     ],
 )
 def test_bad_pipeline_sizes_are_refused(kwargs, needle):
@@ -189,6 +224,7 @@ def test_bad_pipeline_sizes_are_refused(kwargs, needle):
 
 def test_world_size_counts_every_stage():
     assert ParallelConfig(pipeline_parallel_size=3).world_size == 3
+    assert ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2).world_size == 4
 
 
 @pytest.mark.slow

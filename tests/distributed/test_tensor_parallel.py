@@ -1,9 +1,16 @@
 """Tensor parallelism with the multiprocess executor: greedy tokens in float32 at TP=2 equal TP=1
 on the default model and on small random models whose shapes exercise the sharding (4 KV heads
-split over ranks, 1 KV head replicated, a vocabulary of 257 rows padded to 258); quantized
-weights are refused with more than one rank."""
+split over ranks, 1 KV head replicated, a vocabulary of 257 rows padded to 258); on a plugin's
+platform, the model's collectives (TP=2) and stage transfers (PP=2) run through the communicator
+the plugin names; quantized weights are refused with more than one rank."""
 
 from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -66,6 +73,47 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_default_model(gguf_path):
     # quantization auto: dense weights with more than one rank.
     tp2 = _greedy(gguf_path, 2, prompts)
     assert tp2 == tp1
+
+
+PLUGIN_RUN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from parallel_utils import TOKEN_PROMPTS, greedy_tokens
+sizes = [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+tokens = [greedy_tokens(sys.argv[2], TOKEN_PROMPTS, tokenizer=sys.argv[3], **s) for s in sizes]
+print(json.dumps(tokens))
+"""
+
+
+@pytest.mark.slow
+def test_collectives_run_through_the_communicator_the_platform_names(
+    tmp_path, tiny_llama, gguf_path
+):
+    folder, _ = tiny_llama  # its tokens are the x86 platform's: compared here on the plugin's
+    log = tmp_path / "collectives.log"
+    # The test plugin's platform (a process selects its platform once: a fresh interpreter).
+    env = {
+        **os.environ,
+        "KILN_TEST_PLATFORM": "1",
+        "KILN_PLATFORM": "kiln_test",
+        "KILN_TEST_COMMUNICATOR_LOG": str(log),
+    }
+    here = str(pathlib.Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLUGIN_RUN, here, folder, gguf_path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp1, tp2, pp2 = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tp2 == tp1 and pp2 == tp1
+    # Rank 0 of TP=2 and of PP=2 write "0 ...": the TP and PP runs each log their own methods.
+    calls = set(log.read_text().splitlines())
+    tp_calls = {f"{rank} {method}" for rank in (0, 1) for method in ("all_reduce", "all_gather")}
+    assert tp_calls <= calls, calls
+    assert {"0 send", "1 recv"} <= calls, calls
 
 
 @pytest.mark.parametrize("method", ["gguf", "int8", "int4"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -193,8 +194,6 @@ def init_distributed(
     """
     import torch.distributed as dist
 
-    from kiln.plugins.interfaces import resolve_class
-
     world_size = config.parallel.world_size
     if world_size == 1:
         return SINGLE_RANK
@@ -209,10 +208,11 @@ def init_distributed(
     tp_size = config.parallel.tensor_parallel_size
     if tp_size == 1:
         return SINGLE_RANK
-    # NOTE: with tensor_parallel_size == world_size (ParallelConfig refuses both kinds at once),
-    # the tensor-parallel group is the whole process group.
-    communicator_cls = resolve_class("communicator_cls", config.device.communicator_cls)
-    return TensorParallelGroup(rank, tp_size, communicator_cls(rank, tp_size, device))
+    # This stage's ranks: consecutive global ranks.
+    stage = rank // tp_size
+    ranks = [stage * tp_size + i for i in range(tp_size)]
+    communicator = _communicator(config, ranks.index(rank), ranks, device)
+    return TensorParallelGroup(ranks.index(rank), tp_size, communicator)
 
 
 def init_pipeline_group(
@@ -224,15 +224,42 @@ def init_pipeline_group(
     Raises:
         InterfaceError: the communicator class does not implement ``Communicator``.
     """
-    from kiln.plugins.interfaces import resolve_class
 
     pp_size = config.parallel.pipeline_parallel_size
     if pp_size == 1:
         return SINGLE_STAGE
-    # NOTE: tensor_parallel_size is 1 here (ParallelConfig), so the stage is the global rank and
-    # the pipeline the whole process group.
+    # Each tensor-parallel rank hands its copy of the hidden states to the same rank of the
+    # next stage: this rank's pipeline is every stage's rank at its tensor-parallel index.
+    tp_size = config.parallel.tensor_parallel_size
+    ranks = [stage * tp_size + rank % tp_size for stage in range(pp_size)]
+    stage = rank // tp_size
+    return PipelineParallelGroup(stage, pp_size, _communicator(config, stage, ranks, device))
+
+
+def _communicator(
+    config: KilnConfig, group_rank: int, ranks: list[int], device: torch.device
+) -> Communicator:
+    """The platform's communicator for the group of ``ranks`` (global ranks, in group order);
+    given ``ranks`` only when the group is a sub-group of the process group.
+
+    Raises:
+        InterfaceError: the communicator class does not implement ``Communicator``.
+        ValueError: a sub-group, and a communicator class that takes no ``ranks``.
+    """
+    from kiln.plugins.interfaces import resolve_class
+
     communicator_cls = resolve_class("communicator_cls", config.device.communicator_cls)
-    return PipelineParallelGroup(rank, pp_size, communicator_cls(rank, pp_size, device))
+    if len(ranks) == config.parallel.world_size:
+        return communicator_cls(group_rank, len(ranks), device)
+    if "ranks" not in inspect.signature(communicator_cls).parameters:
+        parallel = config.parallel
+        raise ValueError(
+            f"parallel.pipeline_parallel_size={parallel.pipeline_parallel_size} with "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} needs a communicator that "
+            f"takes a sub-group (the keyword 'ranks'), which {config.device.communicator_cls} "
+            "does not; allowed: one of the two sizes 1"
+        )
+    return communicator_cls(group_rank, len(ranks), device, ranks=ranks)
 
 
 def output_rank(config: KilnConfig) -> int:

@@ -5,11 +5,14 @@ Contract:
   ``RAY_ADDRESS``, else a local cluster it starts (and stops at ``shutdown``); a connection this
   process already has is used as it is. It reserves a placement group of ``world_size`` bundles
   of one CPU each (PACK: ranks share a node while it has CPUs free and spread over nodes when it
-  has not) and starts one actor (``RayWorker``) in each. Rank 0's actor names its node's address
-  and a free port there, the torch.distributed rendezvous every rank joins; then each rank runs
-  the platform's worker class (``start_worker``, as the multiprocess executor does) and loads its
-  part of the model. All of it within ``START_TIMEOUT_S``; a rank that fails to start fails
-  ``initialize`` with its traceback, and everything is released.
+  has not) and starts one actor (``RayWorker``) in each. With data parallelism each engine's
+  ranks share one node (STRICT_PACK), engine ``i``'s the ``i``-th of the nodes (by node id) with
+  a CPU per rank, wrapping around: each engine has its own node while there are as many.
+  Rank 0's actor names its node's address and a free port there, the torch.distributed
+  rendezvous every rank joins; then each rank runs the platform's worker class
+  (``start_worker``, as the multiprocess executor does) and loads its part of the model. All
+  of it within ``START_TIMEOUT_S``; a rank that fails to start fails ``initialize`` with its
+  traceback, and everything is released.
 - Each call goes to every rank: its arguments are put in the object store once and the same
   object reaches every actor. ``execute_model`` returns the output rank's answer
   (``output_rank``); every rank answers the other calls. ``execute_model_async`` submits a batch
@@ -17,6 +20,10 @@ Contract:
 - While it waits the executor watches every rank: an actor that dies fails the call within
   ``POLL_S`` of Ray reporting it with ``WorkerDiedError``, a rank that raises fails it with its
   traceback (the engine core then reports the error to every request in flight and exits).
+  Between calls ``check_health()`` (which an idle engine core calls every second) collects the
+  ranks' answers to the pings it sent the time before and pings again, never waiting: an actor
+  that dies while the engine is idle raises ``WorkerDiedError`` within a call or two of Ray
+  reporting it. Ray gives no file descriptor for an actor's exit, so ``sentinels()`` is empty.
 - ``shutdown`` asks the ranks to stop, kills the actors, removes the placement group and
   disconnects: no actor outlives it. An engine core that dies takes its actors with it (Ray kills
   the actors of a driver that is gone).
@@ -50,6 +57,8 @@ from kiln.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: its node id (a placement group's bundles may select on it)."""
 START_TIMEOUT_S = WORKER_START_TIMEOUT_S
 """Longest the ranks may take to be placed, start and load, on a busy cluster."""
 PLACEMENT_TIMEOUT_S = 120.0
@@ -86,6 +95,9 @@ class RayWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
+    def ping(self) -> None:
+        """Nothing: the answer (or Ray's ``RayActorError``) tells the executor the actor lives."""
+
     def start(self, local_rank: int, distributed_init_method: str) -> None:
         self.worker = start_worker(self.config, self.rank, local_rank, distributed_init_method)
 
@@ -108,6 +120,8 @@ class RayExecutor(MultiRankExecutor):
         self.placement_group: Any = None
         self.owns_connection = False
         self.is_shut_down = False
+        self._pings: dict[int, Any] = {}
+        """Per rank, the object ref of the ping ``check_health`` sent last and has no answer to."""
 
     def initialize(self) -> None:
         try:
@@ -122,12 +136,14 @@ class RayExecutor(MultiRankExecutor):
         try:
             self._connect(ray)
             bundles = [{"CPU": 1.0}] * self.world_size
-            self.placement_group = placement_group(bundles, strategy="PACK")
+            placement = self._placement(ray)
+            self.placement_group = placement_group(bundles, **placement)
             if not self.placement_group.wait(PLACEMENT_TIMEOUT_S):
                 raise TimeoutError(
                     f"the Ray cluster found no CPU for each of {self.world_size} ranks within "
                     f"{PLACEMENT_TIMEOUT_S:.0f} s (it has {ray.cluster_resources().get('CPU', 0)} "
-                    f"CPUs, {ray.available_resources().get('CPU', 0)} free)"
+                    f"CPUs, {ray.available_resources().get('CPU', 0)} free; placement "
+                    f"{placement})"
                 )
             actor_cls = ray.remote(num_cpus=1)(RayWorker)
             for rank in range(self.world_size):
@@ -181,6 +197,25 @@ class RayExecutor(MultiRankExecutor):
             signal.signal(signal.SIGTERM, sigterm)
         self.owns_connection = True
 
+    def _placement(self, ray: Any) -> dict[str, Any]:
+        """The placement group's strategy (see the module docstring): PACK, or with data
+        parallelism STRICT_PACK on this engine's node."""
+        parallel = self.config.parallel
+        if parallel.data_parallel_size == 1:
+            return {"strategy": "PACK"}
+        nodes = sorted(
+            node["NodeID"]
+            for node in ray.nodes()
+            if node["Alive"] and node["Resources"].get("CPU", 0) >= self.world_size
+        )
+        if not nodes:
+            return {"strategy": "STRICT_PACK"}  # none is big enough yet: wait for one to join
+        node_id = nodes[parallel.data_parallel_rank % len(nodes)]
+        return {
+            "strategy": "STRICT_PACK",
+            "bundle_label_selector": [{NODE_ID_LABEL: node_id}] * self.world_size,
+        }
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
 
@@ -197,6 +232,22 @@ class RayExecutor(MultiRankExecutor):
     def take_batch_output(self, refs: list[Any]) -> ModelRunnerOutput:
         """The output rank's answer to the batch of ``refs``, watching every rank meanwhile."""
         return self._get(refs, "execute_model")[self.output_rank]
+
+    def check_health(self) -> None:
+        """Raises ``WorkerDiedError`` when a rank's actor has died (Ray reports it to the pings
+        sent by the previous call); never waits."""
+        import ray
+
+        if self.is_shut_down:
+            raise WorkerDiedError("the workers are shut down")
+        pings = self._pings
+        if pings:
+            ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+            for rank in [rank for rank, ref in pings.items() if ref in ready]:
+                self._result(pings.pop(rank), rank, "idle")
+        for rank, actor in enumerate(self.actors):
+            if rank not in pings:  # answered (or never pinged): ask again
+                pings[rank] = actor.ping.remote()
 
     def shutdown(self) -> None:
         """Stop every rank (asked, then killed), free the placement group, disconnect (stopping
@@ -245,7 +296,6 @@ class RayExecutor(MultiRankExecutor):
     def _get(self, refs: list[Any], what: str, deadline: float | None = None) -> list[Any]:
         """The results of ``refs`` (one per rank, in rank order), failing as soon as any fails."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
 
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
@@ -253,18 +303,28 @@ class RayExecutor(MultiRankExecutor):
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             for ref in ready:
                 rank = pending.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayActorError as exc:
-                    raise WorkerDiedError(
-                        f"rank {rank}'s Ray actor died during {what}: {exc}"
-                    ) from None
-                except RayTaskError as exc:
-                    raise RuntimeError(f"rank {rank} failed in {what}:\n{exc}") from None
+                results[rank] = self._result(ref, rank, what)
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(pending.values())
                 raise TimeoutError(f"ranks {missing} did not {what} within {START_TIMEOUT_S:.0f} s")
         return results
+
+    def _result(self, ref: Any, rank: int, what: str) -> Any:
+        """The value of ``ref``, rank ``rank``'s answer (ready: this does not wait).
+
+        Raises:
+            WorkerDiedError: the rank's actor died.
+            RuntimeError: the rank raised (its traceback in the message).
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            raise WorkerDiedError(f"rank {rank}'s Ray actor died during {what}: {exc}") from None
+        except RayTaskError as exc:
+            raise RuntimeError(f"rank {rank} failed in {what}:\n{exc}") from None
 
 
 class _RayBatchOutput(ModelOutputFuture):

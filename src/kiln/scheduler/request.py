@@ -112,3 +112,27 @@ class Request:
 
     def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.finish_reason(self.status)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Whether the last output token ends the request (EOS, a stop token, ``max_tokens`` or
+        the context, in the order ``kiln.scheduler.scheduler`` documents); sets the finished
+        status (and ``stop_reason``) when it does."""
+        params = self.sampling_params
+        num_output_tokens = self.num_output_tokens
+        # A grammar that accepted its stop token is complete: it wins over min_tokens.
+        is_grammar_done = self.matcher is not None and self.matcher.is_terminated()
+        if num_output_tokens >= params.min_tokens or is_grammar_done:
+            last_token_id = self.output_token_ids[-1]
+            if last_token_id == self.eos_token_id and not params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last_token_id
+                return True
+        if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or (
+            self.num_tokens >= max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -35,14 +35,9 @@ full blocks of accepted tokens are cached). A request with a grammar never specu
 draft model, each allocation also holds ``k`` lookahead slots after the scheduled tokens, where
 the draft writes the keys and values of its next drafts (``num_lookahead_tokens``, as vLLM).
 
-Pipeline parallelism (``parallel.pipeline_parallel_size > 1``): the engine core schedules the
-next batch while earlier ones are still in the pipeline (``kiln.engine.core``). A request in a
-batch in flight (``in_flight``) is not scheduled again, nor preempted, until
-``update_from_output`` has applied that batch; the running requests' tokens go out with the
-step (``CachedRequestData.new_token_ids``) for the stages that do not sample. A batch takes at
-most ``1/N`` of the unfinished requests (rounded up) for a pipeline of ``N`` stages: requests that
-arrive together are split into micro-batches that keep every stage busy, instead of one batch
-that leaves all stages but one idle.
+Pipeline parallelism (``parallel.pipeline_parallel_size > 1``): batches in flight and
+micro-batches (``kiln.scheduler.pipeline``): a request in a batch in flight (``in_flight``) is
+neither scheduled again nor preempted until ``update_from_output`` has applied that batch.
 
 A request that can never fit (``num_prompt_tokens + 1 > max_model_len``, where ``max_model_len`` is
 capped by the whole cache's capacity) is not queued: it finishes as FINISHED_IGNORED (finish reason
@@ -75,6 +70,7 @@ from kiln.messages import (
 from kiln.scheduler.grammar_waitlist import GrammarWaitlist, grammar_bitmask
 from kiln.scheduler.interface import SchedulerInterface
 from kiln.scheduler.kv_cache.manager import KVCacheManager
+from kiln.scheduler.pipeline import InFlightBatches, input_token_ids
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.structured_output import StructuredOutputManager
@@ -132,9 +128,17 @@ class Scheduler(SchedulerInterface):
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_grammar = GrammarWaitlist(self.structured_output_manager)
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
-        self.is_pipelined = self.pipeline_parallel_size > 1
-        self.in_flight: set[str] = set()
-        """Pipelined only: requests in a batch that ``update_from_output`` has not applied."""
+        self.pipeline = (
+            InFlightBatches(self.pipeline_parallel_size)
+            if self.pipeline_parallel_size > 1
+            else None
+        )
+        """Pipelined only: the batches in flight."""
+
+    @property
+    def in_flight(self) -> set[str]:
+        """Requests in a batch that ``update_from_output`` has not applied (pipelined only)."""
+        return self.pipeline.in_flight if self.pipeline else set()
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -227,8 +231,13 @@ class Scheduler(SchedulerInterface):
         spec_tokens: dict[str, list[int]] = {}
 
         running = self.running
-        in_flight = self.in_flight
-        max_num_batch_reqs = self._max_num_batch_reqs()
+        pipeline = self.pipeline
+        in_flight = pipeline.in_flight if pipeline else None
+        max_num_batch_reqs = (
+            pipeline.max_num_batch_reqs(len(running) + len(self.waiting))
+            if pipeline
+            else self.max_num_seqs
+        )
         req_index = 0
         while (
             req_index < len(running)
@@ -252,7 +261,7 @@ class Scheduler(SchedulerInterface):
                     request, num_new_tokens, num_lookahead_tokens=lookahead
                 )
             ) is None:
-                victim = running.pop(self._victim_index(req_index))
+                victim = running.pop(pipeline.victim_index(running, req_index) if pipeline else -1)
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
@@ -262,8 +271,8 @@ class Scheduler(SchedulerInterface):
             cached_reqs.req_ids.append(request.request_id)
             cached_reqs.new_block_ids.append(new_block_ids)
             cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-            if self.is_pipelined:
-                cached_reqs.new_token_ids.append(_input_token_ids(request, num_new_tokens))
+            if pipeline:
+                cached_reqs.new_token_ids.append(input_token_ids(request, num_new_tokens))
             num_scheduled_tokens[request.request_id] = num_new_tokens
             if drafts:
                 spec_tokens[request.request_id] = drafts
@@ -327,8 +336,8 @@ class Scheduler(SchedulerInterface):
             token_budget -= num_new_tokens
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        if self.is_pipelined:
-            in_flight.update(num_scheduled_tokens)
+        if pipeline:
+            pipeline.start(num_scheduled_tokens)
         grammar_req_ids, bitmask = grammar_bitmask(
             self.structured_output_manager, self.requests, num_scheduled_tokens
         )
@@ -368,8 +377,8 @@ class Scheduler(SchedulerInterface):
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         num_finished = 0
-        if self.is_pipelined:
-            self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        if self.pipeline:
+            self.pipeline.finish(scheduler_output.num_scheduled_tokens)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -393,7 +402,7 @@ class Scheduler(SchedulerInterface):
                     logger.error(
                         "request %s: token %d is not allowed by its grammar", request_id, token_id
                     )
-                if is_stopped := self._check_stop(request):
+                if is_stopped := request.check_stop(self.max_model_len):
                     new_token_ids = new_token_ids[: i + 1]
                     break
             new_logprobs = logprobs.get(request_id)
@@ -456,28 +465,6 @@ class Scheduler(SchedulerInterface):
             )
             self._free_request(request)
 
-    def _check_stop(self, request: Request) -> bool:
-        """Set a finished status (and ``stop_reason``) when the last token ends the request."""
-        params = request.sampling_params
-        num_output_tokens = request.num_output_tokens
-        # A grammar that accepted its stop token is complete: it wins over min_tokens.
-        is_grammar_done = request.matcher is not None and request.matcher.is_terminated()
-        if num_output_tokens >= params.min_tokens or is_grammar_done:
-            last_token_id = request.output_token_ids[-1]
-            if last_token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last_token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token_id
-                return True
-        if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or (
-            request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
-
     def _num_lookahead(self, num_tokens: int) -> int:
         """Lookahead slots for a request with ``num_tokens`` scheduled or computed: within the
         context (the block table of a request ends there)."""
@@ -502,27 +489,6 @@ class Scheduler(SchedulerInterface):
         stats[1] += num_drafts
         stats[2] += num_accepted
 
-    def _max_num_batch_reqs(self) -> int:
-        """The most requests one batch takes: ``max_num_seqs``, or pipelined a micro-batch's
-        share (see the module docstring)."""
-        if not self.is_pipelined:
-            return self.max_num_seqs
-        num_reqs = len(self.running) + len(self.waiting)
-        return max(1, -(-num_reqs // self.pipeline_parallel_size))
-
-    def _victim_index(self, req_index: int) -> int:
-        """Where in ``running`` the next request to preempt is, while scheduling the one at
-        ``req_index``: the last, or pipelined the last not in flight (its blocks are being
-        written; the request at ``req_index`` is never in flight)."""
-        if not self.in_flight:
-            return -1
-        running = self.running
-        return next(
-            i
-            for i in range(len(running) - 1, req_index - 1, -1)
-            if running[i].request_id not in self.in_flight
-        )
-
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it again, to recompute from scratch."""
         self.kv_cache_manager.free(request)
@@ -545,15 +511,6 @@ class Scheduler(SchedulerInterface):
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)
-
-
-def _input_token_ids(request: Request, num_new_tokens: int) -> list[int]:
-    """The ``num_new_tokens`` tokens the request computes next (from ``num_computed_tokens``)."""
-    start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
-    num_prompt = request.num_prompt_tokens
-    if start >= num_prompt:
-        return request.output_token_ids[start - num_prompt : end - num_prompt]
-    return (request.prompt_token_ids + request.output_token_ids)[start:end]
 
 
 def _first_rows(lists: LogprobsLists, num_rows: int) -> LogprobsLists:

@@ -18,6 +18,8 @@ Environment variables switch each behaviour on, so the package can stay installe
                                             ``AttentionBackend``
 - KILN_TEST_BAD_CLASS=chunk-blind           ... an attention backend that ignores the cached
                                             context of a prefill chunk (a prefix-cache hit too)
+- KILN_TEST_COMMUNICATOR_LOG=PATH           the platform's communicator notes in PATH which
+                                            collectives each rank ran
 - KILN_TEST_NON_IDEMPOTENT=raise|grow       the general plugin's register() raises when run
                                             again, or registers one more model each run
 """

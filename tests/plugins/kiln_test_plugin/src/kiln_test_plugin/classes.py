@@ -4,6 +4,7 @@ purpose."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -72,7 +73,37 @@ class TestScheduler(Scheduler):
 
 
 class LoggingCommunicator(TorchDistCommunicator):
-    """Duck-typed variants below fail the interface check on purpose."""
+    """Kiln's ``torch.distributed`` communicator under the plugin's name. With
+    ``KILN_TEST_COMMUNICATOR_LOG`` set, each rank appends ``"<rank> <method>"`` to that file the
+    first time it runs each collective: a test sees that the model's collectives come here.
+    (The duck-typed variants below fail the interface check on purpose.)"""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, ranks: Any = None) -> None:
+        super().__init__(rank, world_size, device, ranks)
+        self.logged: set[str] = set()
+
+    def _log(self, method: str) -> None:
+        path = os.environ.get("KILN_TEST_COMMUNICATOR_LOG")
+        if path and method not in self.logged:
+            self.logged.add(method)
+            with open(path, "a") as f:
+                f.write(f"{self.rank} {method}\n")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._log("all_reduce")
+        return super().all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self._log("all_gather")
+        return super().all_gather(tensor, dim)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._log("send")
+        super().send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._log("recv")
+        return super().recv(tensor, src)
 
 
 class CommunicatorMissingMethod:
