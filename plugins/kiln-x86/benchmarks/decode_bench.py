@@ -1,4 +1,8 @@
-"""Offline batch-1 decode speed of the default model: exact GGUF kernels against int8 activations.
+"""Offline batch-1 decode speed of the default model under several ``x86`` config sections.
+
+``--set kernels`` (default): exact GGUF kernels against int8 activations; ``--set helpers``:
+one model thread, one model thread with a matmul helper thread (``helper_threads``), and two
+OpenMP model threads.
 
 Each configuration runs in its own fresh process (the platform and its kernels are chosen once
 per process), alternating, ``--rounds`` times: ``LLM.generate`` of one 64-token prompt with
@@ -7,7 +11,7 @@ over ``output-len - 1`` is one decode step (wall time, or with ``--clock cpu`` t
 time, steadier on a shared machine). Prints the best round's decode tokens/s per configuration
 and the load average.
 
-    python plugins/kiln-x86/benchmarks/decode_bench.py [--threads 1] [--rounds 3]
+    python plugins/kiln-x86/benchmarks/decode_bench.py [--set helpers] [--threads 1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ import os
 import subprocess
 import sys
 
-CONFIGS = {  # both named: int8 activations are the default now
-    "exact (float kernel)": {"int8_activations": False},
-    "int8 activations (tiled)": {"int8_activations": True},
+CONFIG_SETS = {
+    "kernels": {  # both named: int8 activations are the default now
+        "exact (float kernel)": {"int8_activations": False},
+        "int8 activations (tiled)": {"int8_activations": True},
+    },
+    "helpers": {
+        "1 thread": {"num_threads": 1},
+        "1 thread + 1 helper": {"num_threads": 1, "helper_threads": 1},
+        "2 threads": {"num_threads": 2},
+    },
 }
 
 _CHILD = """
@@ -28,7 +39,7 @@ import json, sys, time
 from kiln import LLM, SamplingParams
 section, threads, output_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(kv_cache_memory=0.25, enable_prefix_caching=False,
-          plugin_config={"x86": {**section, "num_threads": threads}})
+          plugin_config={"x86": {"num_threads": threads, **section}})
 prompt = {"prompt_token_ids": [1000 + 37 * i % 40000 for i in range(64)]}
 clock = time.perf_counter if sys.argv[4] == "wall" else time.process_time
 def run(n):
@@ -48,7 +59,8 @@ print(json.dumps({"step_s": best, "tokens": list(tokens)}))
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", choices=sorted(CONFIG_SETS), default="kernels")
+    parser.add_argument("--threads", type=int, default=1, help="model threads unless the set says")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=65)
     parser.add_argument(
@@ -59,10 +71,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"load={os.getloadavg()[0]:.1f}")
-    best = dict.fromkeys(CONFIGS, float("inf"))
+    configs = CONFIG_SETS[args.set]
+    best = dict.fromkeys(configs, float("inf"))
     tokens = {}
     for _ in range(args.rounds):
-        for name, section in CONFIGS.items():
+        for name, section in configs.items():
             out = subprocess.run(
                 [sys.executable, "-c", _CHILD, json.dumps(section)]
                 + [str(args.threads), str(args.output_len), args.clock],

@@ -97,7 +97,14 @@ def test_plugin_config_errors_reach_kiln_plugins():
     rc, report = plugin_report(plugin_config='{"x86": {"num_threads": 1, "cpus": "none"}}')
     assert rc == 0, report.get("error")
     fields = [row["field"] for row in report["plugin_config"]["x86"]]
-    assert fields == ["num_threads", "cpus", "reserved_cpus", "int8_activations"]
+    assert fields == [
+        "num_threads",
+        "cpus",
+        "reserved_cpus",
+        "int8_activations",
+        "helper_threads",
+        "graph",
+    ]
 
 
 CPU_SECTION_ALIAS = """
