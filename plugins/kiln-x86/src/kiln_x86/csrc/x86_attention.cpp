@@ -38,6 +38,9 @@ namespace {
 constexpr int64_t kQueryTile = 64;     // query tokens per prefill item
 constexpr int64_t kChunkKeys = 256;    // keys per product in a prefill item
 constexpr int64_t kSplitTokens = 256;  // context per item when a decode is split
+// Steps smaller than this (query rows x keys: about 25 us on one thread) run on the calling
+// thread: under load, an OpenMP fork/join has cost far more than such a step.
+constexpr int64_t kMinParallelCost = 4096;
 
 using kiln_x86::round_to;
 using kiln_x86::to_float;
@@ -284,15 +287,19 @@ void write_rows(const Problem& p, const WorkItem& it, const Scratch& sc, T* out)
   }
 }
 
-// The step's items, largest first; `num_partials` counts the split decodes' parts.
+// The step's items, largest first; `num_partials` counts the split decodes' parts, `parallel`
+// says whether the step is worth torch's threads (else it runs on the calling thread).
 std::vector<WorkItem> plan(const Problem& p, int64_t num_reqs, int64_t num_threads,
-                           int64_t* num_partials) {
-  int64_t num_decodes = 0;
+                           int64_t* num_partials, bool* parallel) {
+  int64_t num_decodes = 0, total_cost = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    num_decodes += (p.query_start_loc[r + 1] - p.query_start_loc[r]) == 1;
+    const int64_t query_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
+    num_decodes += query_len == 1;
+    total_cost += query_len * p.seq_lens[r] * p.num_heads;
   }
+  *parallel = num_threads > 1 && total_cost >= kMinParallelCost;
   // Split decodes over their context when (request, kv head) pairs are too few for the threads.
-  const bool split = num_decodes * p.num_kv_heads < 4 * num_threads;
+  const bool split = *parallel && num_decodes * p.num_kv_heads < 4 * num_threads;
   const int64_t span = std::max<int64_t>(1, kSplitTokens / p.block_size) * p.block_size;
   std::vector<WorkItem> items;
   int32_t partial = 0;
@@ -329,7 +336,8 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
          const T* value_cache, T* out) {
   const int64_t num_threads = at::get_num_threads();
   int64_t num_partials = 0;
-  const std::vector<WorkItem> items = plan(p, num_reqs, num_threads, &num_partials);
+  bool parallel = false;
+  const std::vector<WorkItem> items = plan(p, num_reqs, num_threads, &num_partials, &parallel);
   const int64_t d = p.head_size, group = p.group;
   // Split decodes' parts: unnormalized output [group, d], then max and sum [group] each.
   const int64_t partial_size = group * (d + 2);
@@ -360,7 +368,7 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
       std::copy(sc.l, sc.l + group, dst + group * d + group);
     }
   };
-  if (num_items > 1 && num_threads > 1) {
+  if (num_items > 1 && parallel) {
     at::parallel_for(0, num_threads, 1, worker);
   } else {
     worker(0, 1);
@@ -373,9 +381,9 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
     if (it.partial >= 0 && it.ctx_begin == 0) heads.push_back(it);
   }
   const int64_t span = std::max<int64_t>(1, kSplitTokens / p.block_size) * p.block_size;
-  at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t begin, int64_t end) {
+  {  // a few heads' rows: on this thread
     Scratch sc(group, d, 1);
-    for (int64_t hi = begin; hi < end; ++hi) {
+    for (size_t hi = 0; hi < heads.size(); ++hi) {
       const WorkItem& it = heads[hi];
       const int64_t num_parts = (p.seq_lens[it.req] + span - 1) / span;
       for (int64_t g = 0; g < group; ++g) {
@@ -399,7 +407,7 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
       }
       write_rows<T>(p, it, sc, out);
     }
-  });
+  }
 }
 
 // out[t, h, :] for every token of a request (rows of padding are left alone): attention of
