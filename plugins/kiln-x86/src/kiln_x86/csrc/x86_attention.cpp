@@ -8,14 +8,17 @@
 //
 // Work is split into items of (request, kv head, tile of up to kQueryTile query tokens, span of
 // context). An item's rows are the tile's tokens times the `group` query heads that share the kv
-// head (grouped-query attention), so each K/V block is read, and converted to float32, once for
-// all of them. Over the blocks it keeps a flash-style online softmax (running max and sum per row)
-// in float32; a row sees keys at positions <= its own (the causal offset of a request with a cached
-// prefix: position = num_computed + index in the request's new tokens), and with a sliding window
-// only the last `sliding_window` of them. Decodes of long contexts with too few (request, kv head)
+// head (grouped-query attention), so each K/V block is read once for all of them. A decode (one
+// token) runs attention_decode.h's AVX-512 kernel where the build and head size have one, else
+// attend_token here (portable vector code); several tokens run attend_tile (MKL products). Over
+// the blocks each keeps a flash-style online softmax (running max and sum per row) in float32; a
+// row sees keys at positions <= its own (the causal offset of a request with a cached prefix:
+// position = num_computed + index in the request's new tokens), and with a sliding window only
+// the last `sliding_window` of them. Decodes of long contexts with too few (request, kv head)
 // pairs to keep the threads busy are split over the context into spans of kSplitTokens, merged
 // afterwards by their running max and sum. Items are handed to torch's threads one at a time,
-// largest first, so that long items do not leave threads idle.
+// largest first, so that long items do not leave threads idle; a small step (kMinParallelCost)
+// runs on the calling thread.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
