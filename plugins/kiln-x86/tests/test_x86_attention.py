@@ -14,6 +14,7 @@ further off).
 from __future__ import annotations
 
 import random
+from types import ModuleType
 
 import pytest
 import torch
@@ -42,11 +43,15 @@ def run_step(
     num_kv_heads: int,
     head_size: int,
     sliding_window: int | None = None,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
+    """One layer's forward; ``kernels``: another build of the x86 kernel than this machine's."""
     block_size = cache.shape[2]
     impl = backend.get_impl_cls()(
         num_heads, head_size, head_size**-0.5, num_kv_heads, sliding_window=sliding_window
     )
+    if kernels is not None:
+        impl.kernels = kernels
     metadata = backend.get_metadata_builder_cls()(block_size, "cpu").build(common)
     q, k, v = qkv
     return impl.forward(None, q, k, v, cache, metadata)
@@ -99,17 +104,18 @@ def check_against_reference(
     num_kv_heads: int = 3,
     dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None,
+    kernels: ModuleType | None = None,
     **kwargs,
 ) -> None:
     cache, common, qkv = make_step(contexts, num_heads, num_kv_heads, dtype=dtype, **kwargs)
     head_size = cache.shape[-1]
-    args = (common, num_heads, num_kv_heads, head_size, sliding_window)
+    args = (common, num_heads, num_kv_heads, head_size, sliding_window, kernels)
     x86_cache = cache.clone()
     out = run_step(X86AttentionBackend, x86_cache, common, qkv, *args[1:])
     # Reference in float32 on the same (possibly bfloat16) values.
     ref_cache = cache.float()
     qkv32 = tuple(t.float() for t in qkv)
-    ref = run_step(CPUAttentionBackend, ref_cache, common, qkv32, *args[1:])
+    ref = run_step(CPUAttentionBackend, ref_cache, common, qkv32, *args[1:5])
 
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(x86_cache.float(), ref_cache, atol=0, rtol=0)
@@ -214,3 +220,70 @@ def test_without_the_kernel_it_runs_the_reference(monkeypatch) -> None:
     ours = run_step(X86AttentionBackend, cache.clone(), common, qkv, 9, 3, 64)
     ref = run_step(CPUAttentionBackend, cache.clone(), common, qkv, 9, 3, 64)
     assert torch.equal(ours, ref)
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads, so that long decodes of few requests are split over the context."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+# The decode kernel walks the context 16 positions at a time: lengths around those steps and the
+# block edges, one token, a length of no multiple of either, and a batch of all of them.
+DECODE_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 47, 200, 257]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (3, 3)])  # GQA ratios 3 and 1
+@pytest.mark.parametrize("block_size", [16, 5, 32])
+def test_decode_context_lengths(dtype, num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    for seq_len in DECODE_LENGTHS:  # each alone
+        check_against_reference(
+            [(seq_len - 1, 1)], num_heads, num_kv_heads, dtype=dtype, block_size=block_size
+        )
+    batch = [(seq_len - 1, 1) for seq_len in DECODE_LENGTHS]
+    random.Random(3).shuffle(batch)
+    check_against_reference(
+        batch, num_heads, num_kv_heads, dtype=dtype, block_size=block_size, seed=3
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [32, 64, 128, 48])  # 48: the portable kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 1), (7, 1), (4, 2), (2, 2)])
+def test_decode_head_sizes_and_groups(dtype, head_size: int, num_heads: int, num_kv_heads: int):
+    # Groups of 8 and 7 query heads per KV head take several passes (of up to 4, or 2 for head
+    # size 128) over the context.
+    contexts = [(0, 1), (40, 1), (16, 1), (130, 1)]
+    check_against_reference(contexts, num_heads, num_kv_heads, dtype=dtype, head_size=head_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_split_at_two_threads(dtype, two_threads) -> None:
+    # Few requests with long contexts: split over the context in spans, merged afterwards.
+    check_against_reference([(1029, 1)], dtype=dtype)
+    check_against_reference([(700, 1), (9, 1)], 9, 3, dtype=dtype, sliding_window=300, seed=1)
+
+
+@pytest.fixture(scope="module")
+def portable_kernels() -> ModuleType:
+    """The kernel built as for a CPU without AVX-512 (so without AVX512-BF16): the build a CPU
+    with only AVX2 gets, which runs the portable decode (built once per machine, like the
+    others)."""
+    from kiln_x86.kernels import ATTENTION_CFLAGS, ATTENTION_SOURCE, load_extension
+
+    module = load_extension(
+        "kiln_x86_attention_portable", ATTENTION_SOURCE, [*ATTENTION_CFLAGS, "-mno-avx512f"]
+    )
+    assert module is not None, "the portable build failed"
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_build_without_avx512(dtype, portable_kernels) -> None:
+    contexts = [(0, 1), (15, 1), (16, 1), (200, 1), (33, 17), (0, 9)]
+    check_against_reference(contexts, dtype=dtype, kernels=portable_kernels)
+    check_against_reference([(40, 1), (30, 1)], 4, 4, dtype=dtype, kernels=portable_kernels)
