@@ -376,21 +376,60 @@ inline void store_row(const float* res, c10::BFloat16* out, __mmask16 mask) {
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
 }
 
-template <int kBits, int kGroups, bool kMins, bool kF16, typename T>
-void gemv_kernel(const Layout& w, const Acts& a, int64_t M, T* out) {
+// Rows per chunk of a many-row call (prefill without AMX): a chunk's rounded activations stay in
+// L2 while every tile of the weight streams past them.
+constexpr int64_t kVnniChunkRows = 64;
+
+// The rows of one chunk, rounded into the calling thread's scratch (`Acts` of rows r0..r1 start
+// at their row 0): each row on its own, so whichever thread rounds a row rounds it the same way.
+struct ChunkActs {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int32_t> s16;
+  int64_t chunk = -1;
+
+  template <typename T>
+  Acts round(const T* x, int64_t r0, int64_t r1, int64_t K) {
+    const int64_t nb = K / kBlock, rows = r1 - r0;
+    q.resize(rows * K);
+    dx.resize(rows * nb);
+    s16.resize(rows * 2 * nb);
+    quantize_acts(x + r0 * K, 0, rows, K, q.data(), dx.data(), s16.data());
+    return Acts{q.data(), dx.data(), s16.data()};
+  }
+};
+
+// x [M, K] @ w.T -> out [M, N]. Work items (chunk of kVnniChunkRows rows, output tile),
+// chunk-major, in one parallel region: a thread rounds each chunk it reaches once (a chunk split
+// between two threads is rounded by both, identically) and runs its tiles over the chunk's rows,
+// kMaxRows at a time.
+template <int kBits, int kGroups, bool kMins, bool kF16, typename T, typename X>
+void gemv_kernel(const Layout& w, const X* x, int64_t M, T* out) {
   constexpr int kMaxRows = max_rows<kGroups>();
+  const int64_t chunks = (M + kVnniChunkRows - 1) / kVnniChunkRows;
   // Enough tiles per task that a task streams at least ~32 KiB of weights.
   const int64_t grain = std::max<int64_t>(1, 32768 / (w.nb * w.rec));
-  at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, chunks * w.tiles, grain, [&](int64_t i0, int64_t i1) {
+    // Scratch reused by later calls on this thread.
+    thread_local ChunkActs acts;
+    acts.chunk = -1;
+    Acts a{};
     alignas(64) float res[kMaxRows * kTile];
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t chunk = i / w.tiles, t = i % w.tiles;
+      const int64_t c0 = chunk * kVnniChunkRows, c1 = std::min(M, c0 + kVnniChunkRows);
+      if (chunk != acts.chunk) {
+        a = acts.round(x, c0, c1, w.K);
+        acts.chunk = chunk;
+      }
       const int64_t n0 = t * kTile;
       const int64_t count = std::min<int64_t>(kTile, w.N - n0);
       const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r0));
+      for (int64_t r0 = 0; r0 < c1 - c0; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - c0 - r0));
         tile_rows_n<kBits, kGroups, kMins, kF16>(rows, w, a, t, r0, res);
-        for (int r = 0; r < rows; ++r) store_row(res + r * kTile, out + (r0 + r) * w.N + n0, mask);
+        for (int r = 0; r < rows; ++r)
+          store_row(res + r * kTile, out + (c0 + r0 + r) * w.N + n0, mask);
       }
     }
   });
@@ -398,9 +437,9 @@ void gemv_kernel(const Layout& w, const Acts& a, int64_t M, T* out) {
 
 template <int kBits, int kGroups, bool kMins, bool kF16>
 struct GemvKernel {
-  template <typename T>
-  static void run(const Layout& w, const Acts& a, int64_t M, T* out) {
-    gemv_kernel<kBits, kGroups, kMins, kF16>(w, a, M, out);
+  template <typename T, typename X>
+  static void run(const Layout& w, const X* x, int64_t M, T* out) {
+    gemv_kernel<kBits, kGroups, kMins, kF16>(w, x, M, out);
   }
 };
 
@@ -432,25 +471,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t 
   check_x(x);
   const Layout w = make_layout(data, N, x.size(1), bits, group, mins, f16, offset);
   const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = w.K;
+  const int64_t M = xc.size(0);
   auto out = at::empty({M, N}, xc.options());
   if (M == 0) return out;
-  // Scratch for the rounded activations, reused by later calls on this thread.
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx;
-  thread_local std::vector<int32_t> s16;
-  q.resize(M * K);
-  dx.resize(M * w.nb);
-  s16.resize(M * 2 * w.nb);
   if (xc.scalar_type() == at::kFloat)
-    quantize_acts(xc.data_ptr<float>(), 0, M, K, q.data(), dx.data(), s16.data());
+    dispatch_format<GemvKernel>(w, xc.data_ptr<float>(), M, out.data_ptr<float>());
   else
-    quantize_acts(xc.data_ptr<c10::BFloat16>(), 0, M, K, q.data(), dx.data(), s16.data());
-  const Acts a{q.data(), dx.data(), s16.data()};
-  if (out.scalar_type() == at::kFloat)
-    dispatch_format<GemvKernel>(w, a, M, out.data_ptr<float>());
-  else
-    dispatch_format<GemvKernel>(w, a, M, out.data_ptr<c10::BFloat16>());
+    dispatch_format<GemvKernel>(w, xc.data_ptr<c10::BFloat16>(), M,
+                                out.data_ptr<c10::BFloat16>());
   return out;
 }
 
