@@ -79,6 +79,7 @@ Layout make_layout(const at::Tensor& data, int64_t N, int64_t K, int64_t bits, i
   w.tiles = (N + kTile - 1) / kTile;
   w.bits = bits;
   w.groups = kBlock / group;
+  TORCH_CHECK(!mins || offset == 0, "formats with mins have offset 0, got ", offset);
   w.offset = offset;
   w.mins = mins;
   w.f16 = f16;
@@ -152,6 +153,7 @@ struct Acts {
   const int8_t* q;
   const float* dx;
   const int32_t* s16;
+  const float* dsum;  // [M, nb]: dx * float(sum of qx over the block)
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -298,7 +300,11 @@ void tile_rows(const Layout& w, const Acts& a, int64_t tile, int64_t r0, float* 
     __m512i isum[kRows][kGroups];
     for (int r = 0; r < kRows; ++r) {
       const int32_t* s = a.s16 + (r0 + r) * 2 * nb + 2 * b;
-      if constexpr (kGroups == 1) {
+      // Formats with mins have offset 0 (make_layout checks it): no offset term, whose
+      // broadcast from a general register took a shuffle-port slot per row and block.
+      if constexpr (kMins) {
+        isum[r][0] = _mm512_setzero_si512();
+      } else if constexpr (kGroups == 1) {
         isum[r][0] = _mm512_set1_epi32(-offset * (s[0] + s[1]));
       } else {
         isum[r][0] = _mm512_set1_epi32(-offset * s[0]);
@@ -340,10 +346,9 @@ void tile_rows(const Layout& w, const Acts& a, int64_t tile, int64_t r0, float* 
       const __m512 d = _mm512_set1_ps(dx);
       for (int g = 0; g < kGroups; ++g)
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][g]), _mm512_mul_ps(scale[g], d), acc[r]);
-      if constexpr (kMins) {
-        const int32_t* s = a.s16 + (r0 + r) * 2 * nb + 2 * b;
-        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dx * static_cast<float>(s[0] + s[1])), acc[r]);
-      }
+      // dsum: dx * sum(qx), formed once per call; broadcast from memory (a load, not a shuffle).
+      if constexpr (kMins)
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.dsum[(r0 + r) * nb + b]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(res + r * kTile, acc[r]);
@@ -386,6 +391,7 @@ struct ChunkActs {
   std::vector<int8_t> q;
   std::vector<float> dx;
   std::vector<int32_t> s16;
+  std::vector<float> dsum;
   int64_t chunk = -1;
 
   template <typename T>
@@ -395,7 +401,11 @@ struct ChunkActs {
     dx.resize(rows * nb);
     s16.resize(rows * 2 * nb);
     quantize_acts(x + r0 * K, 0, rows, K, q.data(), dx.data(), s16.data());
-    return Acts{q.data(), dx.data(), s16.data()};
+    // The min term's factor dx * sum(qx) per block (the same float product wherever formed).
+    dsum.resize(rows * nb);
+    for (int64_t i = 0; i < rows * nb; ++i)
+      dsum[i] = dx[i] * static_cast<float>(s16[2 * i] + s16[2 * i + 1]);
+    return Acts{q.data(), dx.data(), s16.data(), dsum.data()};
   }
 };
 
