@@ -115,6 +115,7 @@ def _public_members(cls: type) -> set[str]:
 
 def test_contract_tables_name_every_member() -> None:
     from kiln.distributed.communicator import Communicator
+    from kiln.messages import SchedulerOutput
     from kiln.model_executor import layers
     from kiln.model_executor.custom_op import OP_REGISTRY
     from kiln.model_executor.layers import attention
@@ -145,8 +146,9 @@ def test_contract_tables_name_every_member() -> None:
         for name in sorted(_public_members(cls))
         if f"`{name}" not in text
     ]
-    fields = inspect.signature(attention.CommonAttentionMetadata).parameters
-    missing += [f"CommonAttentionMetadata.{f}" for f in fields if f"`{f}`" not in text]
+    for record in (attention.CommonAttentionMetadata, SchedulerOutput):
+        fields = inspect.signature(record).parameters
+        missing += [f"{record.__name__}.{f}" for f in fields if f"`{f}`" not in text]
     for module in pkgutil.walk_packages(layers.__path__, layers.__name__ + "."):
         importlib.import_module(module.name)  # every layer module: every op Kiln defines
     # Kiln's own ops only: a test plugin loaded earlier in this process may have added its own.

@@ -27,6 +27,9 @@ def test_cpu_lists_parse_and_format():
         ({"reserved_cpus": -1}, "x86.reserved_cpus=-1 is invalid; allowed: >= 0"),
         ({"cpus": "0-x"}, "x86.cpus='0-x' is invalid"),
         ({"cpus": "0-1", "num_threads": 3}, "x86.num_threads=3 exceeds the 2 core(s)"),
+        ({"num_prefill_threads": 0}, "x86.num_prefill_threads=0 is invalid; allowed: >= 1"),
+        ({"min_prefill_tokens": 0}, "x86.min_prefill_tokens=0 is invalid; allowed: >= 1"),
+        ({"cpus": "0", "num_prefill_threads": 2}, "x86.num_prefill_threads=2 exceeds the 1"),
         ({"int8_activations": "yes"}, "x86.int8_activations='yes' is invalid"),
         ({"helper_threads": -1}, "x86.helper_threads=-1 is invalid; allowed: >= 0"),
         ({"graph": "cuda"}, "x86.graph='cuda' is invalid; allowed: 'trace', 'inductor'"),
@@ -40,26 +43,29 @@ def test_invalid_values_name_the_field_and_what_is_allowed(values, message):
 
 def test_defaults_on_two_cores_run_the_model_on_one_thread():
     # Below 4 cores nothing is reserved for the API server, and the model takes one thread
-    # (the README has the measurements); asked for, it takes both.
-    assert plan_binding(X86Options(), "engine", [0, 1]) == BindingPlan(1, (0,), ())
-    assert plan_binding(X86Options(), "api", [0, 1]) == BindingPlan(1, (0,), ())
-    assert plan_binding(X86Options(), "offline", [0, 1]) == BindingPlan(1, (0,), ())
+    # (the README has the measurements), prefill steps too; asked for, it takes both, for
+    # every step or for prefill steps only (the pool then has both, pinned).
+    assert plan_binding(X86Options(), "engine", [0, 1]) == BindingPlan(1, 1, (0,), ())
+    assert plan_binding(X86Options(), "api", [0, 1]) == BindingPlan(1, 1, (0,), ())
+    assert plan_binding(X86Options(), "offline", [0, 1]) == BindingPlan(1, 1, (0,), ())
     both = X86Options(num_threads=2)
-    assert plan_binding(both, "engine", [0, 1]) == BindingPlan(2, (0, 1), ())
+    assert plan_binding(both, "engine", [0, 1]) == BindingPlan(2, 2, (0, 1), ())
+    prefill = X86Options(num_prefill_threads=2)
+    assert plan_binding(prefill, "engine", [0, 1]) == BindingPlan(1, 2, (0, 1), ())
     assert plan_binding(X86Options(), "engine", [0, 1, 2]).num_threads == 1
 
 
 def test_larger_machines_keep_one_core_for_the_api_server():
     usable = [0, 1, 2, 3, 4, 5, 6, 7]
     plan = plan_binding(X86Options(), "engine", usable)
-    assert plan == BindingPlan(7, (1, 2, 3, 4, 5, 6, 7), (0,))
+    assert plan == BindingPlan(7, 7, (1, 2, 3, 4, 5, 6, 7), (0,))
     # Offline there is no API server: every core runs the model.
     assert plan_binding(X86Options(), "offline", usable).model_cpus == tuple(usable)
 
 
 def test_helper_threads_take_the_cores_the_model_threads_leave():
     helpers = X86Options(helper_threads=1)
-    assert plan_binding(helpers, "engine", [0, 1]) == BindingPlan(1, (0,), (), (1,))
+    assert plan_binding(helpers, "engine", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
     # More helpers than free cores: the rest run unpinned (-1); no pinning: all unpinned.
     assert plan_binding(X86Options(helper_threads=2), "offline", [0, 1]).helper_cpus == (1, -1)
     unpinned = X86Options(cpus="none", helper_threads=1)
@@ -70,10 +76,11 @@ def test_helper_threads_take_the_cores_the_model_threads_leave():
 def test_explicit_cores_threads_and_no_pinning():
     usable = [0, 1, 2, 3]
     opts = X86Options(cpus="2-3", reserved_cpus=1)
-    assert plan_binding(opts, "engine", usable) == BindingPlan(2, (2, 3), (0,))
-    assert plan_binding(X86Options(num_threads=1), "offline", usable) == BindingPlan(1, (0,), ())
+    assert plan_binding(opts, "engine", usable) == BindingPlan(2, 2, (2, 3), (0,))
+    one = plan_binding(X86Options(num_threads=1), "offline", usable)
+    assert one == BindingPlan(1, 1, (0,), ())
     unpinned = plan_binding(X86Options(cpus="none", num_threads=6), "engine", usable)
-    assert unpinned == BindingPlan(6, None, (0,))
+    assert unpinned == BindingPlan(6, 6, None, (0,))
 
 
 def test_cores_this_process_may_not_use_are_refused():
@@ -84,6 +91,8 @@ def test_cores_this_process_may_not_use_are_refused():
         plan_binding(X86Options(reserved_cpus=2), "engine", [0, 1])
     with pytest.raises(ValueError, match=r"x86.num_threads=4 exceeds the 2 core\(s\)"):
         plan_binding(X86Options(num_threads=4), "offline", [0, 1])
+    with pytest.raises(ValueError, match=r"x86.num_prefill_threads=3 exceeds the 2 core\(s\)"):
+        plan_binding(X86Options(num_prefill_threads=3), "offline", [0, 1])
 
 
 def test_plugin_config_errors_reach_kiln_plugins():
@@ -99,6 +108,8 @@ def test_plugin_config_errors_reach_kiln_plugins():
     fields = [row["field"] for row in report["plugin_config"]["x86"]]
     assert fields == [
         "num_threads",
+        "num_prefill_threads",
+        "min_prefill_tokens",
         "cpus",
         "reserved_cpus",
         "int8_activations",

@@ -171,13 +171,14 @@ def test_every_row_count_gives_the_decode_kernels_rows(qtype: T, dtype: torch.dt
 
 
 def test_prefill_without_amx_gives_the_same_rows(monkeypatch) -> None:
-    """Where the AMX kernel may not run, many rows go through the VNNI kernel in chunks of
-    ``CHUNK_ROWS``: the same rows again."""
-    tiled, _, _ = tiled_case(T.Q4_1, 37, 96, seed=6)
-    x = torch.randn(200, 96, generator=torch.Generator().manual_seed(3))
+    """Where the AMX kernel may not run, many rows go through the VNNI kernel (chunks of 64 rows
+    in one parallel region, on 1 and 2 threads): the same rows again. 300 rows x 5 tiles of 16
+    channels: the second thread's share starts inside a chunk, which both threads round."""
+    tiled, _, _ = tiled_case(T.Q4_1, 70, 576, seed=6)
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(3))
     want = quant.matmul(x, tiled)
     monkeypatch.setattr(gemv, "amx_available", lambda: False)
-    assert torch.equal(quant.matmul(x, tiled), want)
+    assert torch.equal(same_on_one_and_two_threads(lambda: quant.matmul(x, tiled)), want)
     assert torch.equal(want, decode_rows(x, tiled))
 
 

@@ -42,13 +42,21 @@ it) and left no core for the API server's streaming."""
 @dataclass(frozen=True)
 class BindingPlan:
     num_threads: int
-    """Model (torch intra-op) threads."""
+    """Model (torch intra-op) threads of a step below ``x86.min_prefill_tokens`` tokens."""
+    num_prefill_threads: int
+    """Model threads of a step of at least ``x86.min_prefill_tokens`` tokens."""
     model_cpus: tuple[int, ...] | None
-    """Core of each model thread, in thread order; None: threads are not pinned."""
+    """Core of each thread of the pool (``pool_size`` of them), in thread order; None: threads
+    are not pinned."""
     api_cpus: tuple[int, ...]
     """Cores the API server is pinned to; empty: it is not pinned."""
     helper_cpus: tuple[int, ...] = ()
     """Core of each matmul helper thread (``x86.helper_threads``; -1: not pinned)."""
+
+    @property
+    def pool_size(self) -> int:
+        """Threads of torch's pool: the larger of the two counts."""
+        return max(self.num_threads, self.num_prefill_threads)
 
 
 def usable_cpus() -> list[int]:
@@ -109,20 +117,29 @@ def plan_binding(
     num_threads = options.num_threads or (
         1 if len(usable) < SMALL_MACHINE_CORES else len(candidates)
     )
+    counts = {
+        "num_threads": num_threads,
+        "num_prefill_threads": options.num_prefill_threads or num_threads,
+    }
     pinned = options.cpus != CPUS_NONE
-    if pinned and num_threads > len(candidates):
-        raise ValueError(
-            f"x86.num_threads={num_threads} exceeds the {len(candidates)} core(s) available to "
-            f"pin them to ({format_cpu_list(candidates)}); allowed: 1..{len(candidates)}, or "
-            "x86.cpus='none'"
-        )
-    model_cpus = tuple(candidates[:num_threads]) if pinned else None
+    for field, count in counts.items():
+        if pinned and count > len(candidates):
+            raise ValueError(
+                f"x86.{field}={count} exceeds the {len(candidates)} core(s) available to pin "
+                f"them to ({format_cpu_list(candidates)}); allowed: 1..{len(candidates)}, or "
+                "x86.cpus='none'"
+            )
+    model_cpus = tuple(candidates[: max(counts.values())]) if pinned else None
     taken = set(model_cpus or ())
     api_cpus = tuple([c for c in usable if c not in taken][:reserved]) if beside_api else ()
     helpers = options.helper_threads or 0
-    free = [c for c in candidates if c not in taken] if pinned else []
+    # Helpers take the cores a decode step's threads leave (prefill threads only wake per step).
+    decode_cpus = set(candidates[:num_threads])
+    free = [c for c in candidates if c not in decode_cpus] if pinned else []
     helper_cpus = tuple(free[:helpers]) + (-1,) * max(0, helpers - len(free))
-    return BindingPlan(num_threads, model_cpus, api_cpus, helper_cpus)
+    return BindingPlan(
+        num_threads, counts["num_prefill_threads"], model_cpus, api_cpus, helper_cpus
+    )
 
 
 _PARALLEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

@@ -13,11 +13,12 @@ Contract:
   with x rounded to int8 per block of 32 (llama.cpp's Q8 activations; not exact: each activation
   moves by at most half its block's step, ``max|x| / 254``), for any number of rows: up to
   ``AMX_MIN_ROWS - 1`` rows the AVX512-VNNI kernel (``gemv``), from ``AMX_MIN_ROWS`` the AMX
-  kernel (``gemm_amx``) where the CPU and Linux allow tiles, else the VNNI kernel over chunks of
-  ``CHUNK_ROWS`` rows. Every path computes a (row, channel) result with the same integer sums
-  and the same float operations in the same order, so a row's result does not depend on the
-  call's other rows, on the path or on the thread count, bit for bit (a prefix-cache hit's short
-  prefill, a decode and a whole prompt's prefill agree).
+  kernel (``gemm_amx``) where the CPU and Linux allow tiles, else the VNNI kernel for all rows
+  (one parallel region over chunks of 64 rows x tiles of 16 channels). Every path computes a
+  (row, channel) result with the same integer sums and the same float operations in the same
+  order, so a row's result does not depend on the call's other rows, on the path or on the
+  thread count, bit for bit (a prefix-cache hit's short prefill, a decode and a whole prompt's
+  prefill agree).
 - ``rows(tiled, ids, dtype)``: the weight's rows ``ids``, ``gguf.quants.dequantize``'s values
   exactly in float32 (embedding lookups, dense fallbacks).
 
@@ -48,8 +49,6 @@ BLOCK = 32
 AMX_MIN_ROWS = 65
 """Rows from which ``matmul`` runs the AMX kernel (where it may): the VNNI kernel's rows stay as
 they were measured for decode; the results are the same either way."""
-CHUNK_ROWS = 64
-"""Rows per VNNI call where AMX is absent: a chunk's rounded activations stay in cache."""
 
 
 @dataclass(frozen=True)
@@ -204,16 +203,9 @@ def matmul(x: torch.Tensor, tiled: TiledWeight) -> torch.Tensor:
     """``x [rows, in] @ W.T`` with x rounded to int8 per block of 32, any number of rows (see the
     module doc)."""
     ext, rows = load_gemv_kernels(), x.shape[0]
-    if rows < AMX_MIN_ROWS:
-        return ext.gemv(x, tiled.data, *tiled.args())
-    if amx_available():
+    if rows >= AMX_MIN_ROWS and amx_available():
         return ext.gemm_amx(x, tiled.data, *tiled.args())
-    out = x.new_empty(rows, tiled.out_features)
-    for start in range(0, rows, CHUNK_ROWS):
-        out[start : start + CHUNK_ROWS] = ext.gemv(
-            x[start : start + CHUNK_ROWS], tiled.data, *tiled.args()
-        )
-    return out
+    return ext.gemv(x, tiled.data, *tiled.args())
 
 
 def rows(tiled: TiledWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -226,7 +218,6 @@ def rows(tiled: TiledWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 __all__ = [
     "AMX_MIN_ROWS",
-    "CHUNK_ROWS",
     "FORMATS",
     "TiledWeight",
     "amx_available",

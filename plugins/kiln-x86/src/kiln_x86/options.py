@@ -41,6 +41,16 @@ class X86Options:
     """Threads the model runs on (torch intra-op threads). Default: one per core of ``cpus``; one
     on machines with fewer than 4 usable cores (measured on 2: faster decode, and a core left for
     the API server)."""
+    num_prefill_threads: int | None = None
+    """Threads for a step that computes at least ``min_prefill_tokens`` tokens (a wave of new
+    prompts), whose matmuls are long enough to pay for waking more threads; e.g. 2 on an idle
+    2-core machine. Default: ``num_threads`` (measured on a 2-core machine shared with other
+    work, a second thread made such steps several times slower: README, "Thread binding").
+    Results do not depend on it (every kernel computes a row the same way on any thread
+    count)."""
+    min_prefill_tokens: int = 256
+    """Tokens a step computes (all its requests together) from which it runs on
+    ``num_prefill_threads`` threads; shorter steps (decodes) run on ``num_threads``."""
     cpus: str = CPUS_AUTO
     """Cores the model's threads are pinned to, one thread per core, in Linux list syntax
     (``"0-3,8"``). ``"auto"``: the cores this process may use, less ``reserved_cpus`` when an API
@@ -78,8 +88,14 @@ class X86Options:
             raise ValueError(
                 f"x86.int8_activations={self.int8_activations!r} is invalid; allowed: true, false"
             )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"x86.num_threads={self.num_threads} is invalid; allowed: >= 1")
+        for field in ("num_threads", "num_prefill_threads"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"x86.{field}={value} is invalid; allowed: >= 1")
+        if self.min_prefill_tokens < 1:
+            raise ValueError(
+                f"x86.min_prefill_tokens={self.min_prefill_tokens} is invalid; allowed: >= 1"
+            )
         if self.helper_threads is not None and self.helper_threads < 0:
             raise ValueError(f"x86.helper_threads={self.helper_threads} is invalid; allowed: >= 0")
         if self.reserved_cpus is not None and self.reserved_cpus < 0:
@@ -93,11 +109,13 @@ class X86Options:
                 f"x86.cpus={self.cpus!r} is invalid ({exc}); allowed: 'auto', 'none' or a core "
                 "list like '0-3,8'"
             ) from None
-        if self.num_threads is not None and self.num_threads > len(cpus):
-            raise ValueError(
-                f"x86.num_threads={self.num_threads} exceeds the {len(cpus)} core(s) of "
-                f"x86.cpus={self.cpus!r}; allowed: 1..{len(cpus)} (one thread per core)"
-            )
+        for field in ("num_threads", "num_prefill_threads"):
+            value = getattr(self, field)
+            if value is not None and value > len(cpus):
+                raise ValueError(
+                    f"x86.{field}={value} exceeds the {len(cpus)} core(s) of "
+                    f"x86.cpus={self.cpus!r}; allowed: 1..{len(cpus)} (one thread per core)"
+                )
 
 
 __all__ = ["CPUS_AUTO", "CPUS_NONE", "GRAPH_MODES", "X86Options", "parse_cpu_list"]

@@ -7,6 +7,7 @@ oneDNN bf16 matmuls, the CPU paged-attention backend) through the public Platfor
 - ``init_process``: in ``kiln serve``'s API server, pins it to the reserved cores, if any;
 - ``init_worker_process``: sizes torch's thread pool and pins each model thread to its core
   (``kiln_x86.binding``), per the ``x86`` config section (``kiln_x86.options.X86Options``);
+- ``get_worker_cls``: Kiln's worker with a thread count per step (``kiln_x86.worker``);
 - ``get_quant_config``: weights kept quantized ("gguf", "int8", "int4"), through
   ``kiln_x86.linear_methods``;
 - ``get_attn_backend_cls``: paged attention over the KV cache in place (``kiln_x86.attention``);
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.platforms.cpu import CpuOptions, CpuPlatform
 from kiln_x86.binding import (
     USABLE_CPUS_ENV,
+    BindingPlan,
     format_cpu_list,
     pin_model_threads,
     pin_process,
@@ -155,6 +157,10 @@ class X86Platform(CpuPlatform):
         return super().check_and_update_config(_dense_where_needed(config))
 
     @classmethod
+    def get_worker_cls(cls) -> str:
+        return "kiln_x86.worker.X86Worker"
+
+    @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
         # Batch-invariant mode keeps the reference's backend (the kernel splits long decodes by
         # batch size), and float16 too (the kernel runs float32 and bfloat16).
@@ -198,23 +204,33 @@ class X86Platform(CpuPlatform):
         logger.info("x86: API server pinned to core(s) %s", format_cpu_list(plan.api_cpus))
 
     @classmethod
+    def thread_plan(cls, config: KilnConfig) -> BindingPlan:
+        """This worker's threads and cores (read before ``init_worker_process`` pins them: the
+        pinning narrows what ``usable_cpus`` sees)."""
+        from kiln.platforms import process_role
+
+        return plan_binding(cls.options(config), process_role(), usable_cpus(), config)
+
+    @classmethod
     def init_worker_process(cls, config: KilnConfig) -> None:
         import torch
 
         from kiln.platforms import process_role
 
-        role = process_role()
-        plan = plan_binding(cls.options(config), role, usable_cpus(), config)
+        plan = cls.thread_plan(config)
         _start_helpers(plan.helper_cpus)
+        threads = f"{plan.num_threads} thread(s), {plan.num_prefill_threads} from "
+        threads += f"{cls.options(config).min_prefill_tokens} tokens a step,"
         if plan.model_cpus is None:
             torch.set_num_threads(plan.num_threads)
-            logger.info("x86: model on %d unpinned thread(s)", plan.num_threads)
+            logger.info("x86: model on %s unpinned", threads)
             return
-        pin_model_threads(plan.model_cpus, pin_caller=role != "offline")
+        # The whole pool is pinned once; a step then runs on its first num_threads or
+        # num_prefill_threads threads (libgomp keeps its pool threads, pinned, between them).
+        pin_model_threads(plan.model_cpus, pin_caller=process_role() != "offline")
+        torch.set_num_threads(plan.num_threads)
         logger.info(
-            "x86: model on %d thread(s) pinned to core(s) %s",
-            plan.num_threads,
-            format_cpu_list(plan.model_cpus),
+            "x86: model on %s pinned to core(s) %s", threads, format_cpu_list(plan.model_cpus)
         )
 
     @classmethod

@@ -35,6 +35,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -81,6 +82,7 @@ Layout make_layout(const at::Tensor& data, int64_t N, int64_t K, int64_t bits, i
   w.tiles = (N + kTile - 1) / kTile;
   w.bits = bits;
   w.groups = kBlock / group;
+  TORCH_CHECK(!mins || offset == 0, "formats with mins have offset 0, got ", offset);
   w.offset = offset;
   w.mins = mins;
   w.f16 = f16;
@@ -154,6 +156,7 @@ struct Acts {
   const int8_t* q;
   const float* dx;
   const int32_t* s16;
+  const float* dsum;  // [M, nb]: dx * float(sum of qx over the block)
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -300,7 +303,11 @@ void tile_rows(const Layout& w, const Acts& a, int64_t tile, int64_t r0, float* 
     __m512i isum[kRows][kGroups];
     for (int r = 0; r < kRows; ++r) {
       const int32_t* s = a.s16 + (r0 + r) * 2 * nb + 2 * b;
-      if constexpr (kGroups == 1) {
+      // Formats with mins have offset 0 (make_layout checks it): no offset term, whose
+      // broadcast from a general register took a shuffle-port slot per row and block.
+      if constexpr (kMins) {
+        isum[r][0] = _mm512_setzero_si512();
+      } else if constexpr (kGroups == 1) {
         isum[r][0] = _mm512_set1_epi32(-offset * (s[0] + s[1]));
       } else {
         isum[r][0] = _mm512_set1_epi32(-offset * s[0]);
@@ -342,10 +349,9 @@ void tile_rows(const Layout& w, const Acts& a, int64_t tile, int64_t r0, float* 
       const __m512 d = _mm512_set1_ps(dx);
       for (int g = 0; g < kGroups; ++g)
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][g]), _mm512_mul_ps(scale[g], d), acc[r]);
-      if constexpr (kMins) {
-        const int32_t* s = a.s16 + (r0 + r) * 2 * nb + 2 * b;
-        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dx * static_cast<float>(s[0] + s[1])), acc[r]);
-      }
+      // dsum: dx * sum(qx), formed once per call; broadcast from memory (a load, not a shuffle).
+      if constexpr (kMins)
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.dsum[(r0 + r) * nb + b]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(res + r * kTile, acc[r]);
@@ -378,36 +384,92 @@ inline void store_row(const float* res, c10::BFloat16* out, __mmask16 mask) {
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
 }
 
-template <int kBits, int kGroups, bool kMins, bool kF16, typename T>
-void gemv_kernel(const Layout& w, const Acts& a, int64_t M, T* out) {
+// Rows per chunk of a many-row call (prefill without AMX): a chunk's rounded activations stay in
+// L2 while every tile of the weight streams past them.
+constexpr int64_t kVnniChunkRows = 64;
+
+// The rows of one chunk, rounded into the calling thread's scratch (`Acts` of rows r0..r1 start
+// at their row 0): each row on its own, so whichever thread rounds a row rounds it the same way.
+struct ChunkActs {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int32_t> s16;
+  std::vector<float> dsum;
+  int64_t chunk = -1;
+  uint64_t call = 0;
+
+  // The rounded rows of `chunk` (valid once `round` has run for it).
+  Acts acts() { return Acts{q.data(), dx.data(), s16.data(), dsum.data()}; }
+
+  template <typename T>
+  Acts round(const T* x, int64_t r0, int64_t r1, int64_t K) {
+    const int64_t nb = K / kBlock, rows = r1 - r0;
+    q.resize(rows * K);
+    dx.resize(rows * nb);
+    s16.resize(rows * 2 * nb);
+    quantize_acts(x + r0 * K, 0, rows, K, q.data(), dx.data(), s16.data());
+    // The min term's factor dx * sum(qx) per block (the same float product wherever formed).
+    dsum.resize(rows * nb);
+    for (int64_t i = 0; i < rows * nb; ++i)
+      dsum[i] = dx[i] * static_cast<float>(s16[2 * i] + s16[2 * i + 1]);
+    return Acts{q.data(), dx.data(), s16.data(), dsum.data()};
+  }
+};
+
+// x [M, K] @ w.T -> out [M, N]. Work items (chunk of kVnniChunkRows rows, output tile),
+// chunk-major, in one parallel region: a thread rounds each chunk it reaches once (a chunk split
+// between two threads is rounded by both, identically) and runs its tiles over the chunk's rows,
+// kMaxRows at a time.
+template <int kBits, int kGroups, bool kMins, bool kF16, typename T, typename X>
+void gemv_kernel(const Layout& w, const X* x, int64_t M, T* out) {
   constexpr int kMaxRows = max_rows<kGroups>();
+  const int64_t chunks = (M + kVnniChunkRows - 1) / kVnniChunkRows;
   // Enough tiles per task that a task streams at least ~32 KiB of weights.
   const int64_t grain = std::max<int64_t>(1, 32768 / (w.nb * w.rec));
-  auto tiles = [&](int64_t t0, int64_t t1) {
+  // A call's number: a thread's scratch holds a chunk of this call only (a thread may run
+  // several pieces of one call, and pieces of later calls).
+  static std::atomic<uint64_t> num_calls{0};
+  const uint64_t call = ++num_calls;
+  auto items = [&](int64_t i0, int64_t i1) {
+    // Scratch reused by later calls on this thread.
+    thread_local ChunkActs acts;
+    if (acts.call != call) {
+      acts.call = call;
+      acts.chunk = -1;
+    }
+    Acts a = acts.acts();
     alignas(64) float res[kMaxRows * kTile];
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t chunk = i / w.tiles, t = i % w.tiles;
+      const int64_t c0 = chunk * kVnniChunkRows, c1 = std::min(M, c0 + kVnniChunkRows);
+      if (chunk != acts.chunk) {
+        a = acts.round(x, c0, c1, w.K);
+        acts.chunk = chunk;
+      }
       const int64_t n0 = t * kTile;
       const int64_t count = std::min<int64_t>(kTile, w.N - n0);
       const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r0));
+      for (int64_t r0 = 0; r0 < c1 - c0; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - c0 - r0));
         tile_rows_n<kBits, kGroups, kMins, kF16>(rows, w, a, t, r0, res);
-        for (int r = 0; r < rows; ++r) store_row(res + r * kTile, out + (r0 + r) * w.N + n0, mask);
+        for (int r = 0; r < rows; ++r)
+          store_row(res + r * kTile, out + (c0 + r0 + r) * w.N + n0, mask);
       }
     }
   };
+  const int64_t num_items = chunks * w.tiles;
   kiln_x86::WorkPool& pool = kiln_x86::WorkPool::instance();
-  if (pool.helpers() == 0) return at::parallel_for(0, w.tiles, grain, tiles);
-  // Decode with helper threads: chunks of `grain` tiles, claimed by the caller and the helpers.
-  const int64_t chunks = (w.tiles + grain - 1) / grain;
-  pool.run(chunks, [&](int64_t c) { tiles(c * grain, std::min(w.tiles, (c + 1) * grain)); });
+  if (pool.helpers() == 0) return at::parallel_for(0, num_items, grain, items);
+  // With helper threads: pieces of `grain` items, claimed by the caller and the helpers.
+  const int64_t pieces = (num_items + grain - 1) / grain;
+  pool.run(pieces, [&](int64_t p) { items(p * grain, std::min(num_items, (p + 1) * grain)); });
 }
 
 template <int kBits, int kGroups, bool kMins, bool kF16>
 struct GemvKernel {
-  template <typename T>
-  static void run(const Layout& w, const Acts& a, int64_t M, T* out) {
-    gemv_kernel<kBits, kGroups, kMins, kF16>(w, a, M, out);
+  template <typename T, typename X>
+  static void run(const Layout& w, const X* x, int64_t M, T* out) {
+    gemv_kernel<kBits, kGroups, kMins, kF16>(w, x, M, out);
   }
 };
 
@@ -439,25 +501,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t 
   check_x(x);
   const Layout w = make_layout(data, N, x.size(1), bits, group, mins, f16, offset);
   const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = w.K;
+  const int64_t M = xc.size(0);
   auto out = at::empty({M, N}, xc.options());
   if (M == 0) return out;
-  // Scratch for the rounded activations, reused by later calls on this thread.
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx;
-  thread_local std::vector<int32_t> s16;
-  q.resize(M * K);
-  dx.resize(M * w.nb);
-  s16.resize(M * 2 * w.nb);
   if (xc.scalar_type() == at::kFloat)
-    quantize_acts(xc.data_ptr<float>(), 0, M, K, q.data(), dx.data(), s16.data());
+    dispatch_format<GemvKernel>(w, xc.data_ptr<float>(), M, out.data_ptr<float>());
   else
-    quantize_acts(xc.data_ptr<c10::BFloat16>(), 0, M, K, q.data(), dx.data(), s16.data());
-  const Acts a{q.data(), dx.data(), s16.data()};
-  if (out.scalar_type() == at::kFloat)
-    dispatch_format<GemvKernel>(w, a, M, out.data_ptr<float>());
-  else
-    dispatch_format<GemvKernel>(w, a, M, out.data_ptr<c10::BFloat16>());
+    dispatch_format<GemvKernel>(w, xc.data_ptr<c10::BFloat16>(), M,
+                                out.data_ptr<c10::BFloat16>());
   return out;
 }
 
