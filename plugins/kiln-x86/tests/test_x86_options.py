@@ -43,15 +43,16 @@ def test_invalid_values_name_the_field_and_what_is_allowed(values, message):
 
 def test_defaults_on_two_cores_run_the_model_on_one_thread():
     # Below 4 cores nothing is reserved for the API server, and the model takes one thread
-    # (the README has the measurements), prefill steps too; asked for, it takes both, for
-    # every step or for prefill steps only (the pool then has both, pinned).
-    assert plan_binding(X86Options(), "engine", [0, 1]) == BindingPlan(1, 1, (0,), ())
-    assert plan_binding(X86Options(), "api", [0, 1]) == BindingPlan(1, 1, (0,), ())
-    assert plan_binding(X86Options(), "offline", [0, 1]) == BindingPlan(1, 1, (0,), ())
+    # (the README has the measurements), prefill steps too, with a matmul helper on the other
+    # core; asked for, it takes both, for every step (no core left for a helper) or for prefill
+    # steps only (the pool then has both, pinned).
+    assert plan_binding(X86Options(), "engine", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
+    assert plan_binding(X86Options(), "api", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
+    assert plan_binding(X86Options(), "offline", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
     both = X86Options(num_threads=2)
     assert plan_binding(both, "engine", [0, 1]) == BindingPlan(2, 2, (0, 1), ())
     prefill = X86Options(num_prefill_threads=2)
-    assert plan_binding(prefill, "engine", [0, 1]) == BindingPlan(1, 2, (0, 1), ())
+    assert plan_binding(prefill, "engine", [0, 1]) == BindingPlan(1, 2, (0, 1), (), (1,))
     assert plan_binding(X86Options(), "engine", [0, 1, 2]).num_threads == 1
 
 
@@ -70,7 +71,10 @@ def test_helper_threads_take_the_cores_the_model_threads_leave():
     assert plan_binding(X86Options(helper_threads=2), "offline", [0, 1]).helper_cpus == (1, -1)
     unpinned = X86Options(cpus="none", helper_threads=1)
     assert plan_binding(unpinned, "engine", [0, 1]).helper_cpus == (-1,)
-    assert plan_binding(X86Options(), "engine", [0, 1]).helper_cpus == ()
+    assert plan_binding(X86Options(helper_threads=0), "engine", [0, 1]).helper_cpus == ()
+    # Default: the cores decode leaves on a small machine; none where the model takes them all.
+    assert plan_binding(X86Options(), "engine", [0, 1, 2]).helper_cpus == (1, 2)
+    assert plan_binding(X86Options(), "engine", list(range(8))).helper_cpus == ()
 
 
 def test_explicit_cores_threads_and_no_pinning():

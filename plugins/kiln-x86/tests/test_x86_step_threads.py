@@ -21,8 +21,9 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln_x86.binding import thread_affinities
 
+# No decode graphs: a replayed graph runs no module hook, and the hook below sees every step.
 llm = LLM(max_num_seqs=4, kv_cache_memory=0.1, max_model_len=512, enable_prefix_caching=False,
-          plugin_config={"x86": json.loads(sys.argv[1])})
+          graph_capture_sizes="", plugin_config={"x86": json.loads(sys.argv[1])})
 runner = llm.llm_engine.engine_core.executor.worker.model_runner
 steps = []
 

@@ -132,10 +132,13 @@ def plan_binding(
     model_cpus = tuple(candidates[: max(counts.values())]) if pinned else None
     taken = set(model_cpus or ())
     api_cpus = tuple([c for c in usable if c not in taken][:reserved]) if beside_api else ()
-    helpers = options.helper_threads or 0
-    # Helpers take the cores a decode step's threads leave (prefill threads only wake per step).
+    # Helpers take the cores a decode step's threads leave (prefill threads only wake per step);
+    # by default all of them on a small machine, where the model runs on one thread.
     decode_cpus = set(candidates[:num_threads])
     free = [c for c in candidates if c not in decode_cpus] if pinned else []
+    helpers = options.helper_threads
+    if helpers is None:
+        helpers = len(free) if len(usable) < SMALL_MACHINE_CORES else 0
     helper_cpus = tuple(free[:helpers]) + (-1,) * max(0, helpers - len(free))
     return BindingPlan(
         num_threads, counts["num_prefill_threads"], model_cpus, api_cpus, helper_cpus
