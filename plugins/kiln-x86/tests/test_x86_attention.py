@@ -287,28 +287,3 @@ def test_portable_build_without_avx512(dtype, portable_kernels) -> None:
     contexts = [(0, 1), (15, 1), (16, 1), (200, 1), (33, 17), (0, 9)]
     check_against_reference(contexts, dtype=dtype, kernels=portable_kernels)
     check_against_reference([(40, 1), (30, 1)], 4, 4, dtype=dtype, kernels=portable_kernels)
-
-
-@pytest.mark.parametrize("context", [100, 255, 256, 500, 1000])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_a_few_new_rows_equal_the_same_rows_decoded_one_by_one(context, dtype) -> None:
-    """A speculative step's verification (5 new rows of one request, beside another decode) gives
-    every row exactly what a decode step at that row's position gives, bit for bit, on one
-    thread: greedy speculation then keeps the tokens of no speculation in bfloat16 too."""
-    rows = 5
-    cache, common, (q, k, v) = make_step(
-        [(context, rows), (37, 1)], 9, 3, dtype=dtype, seed=context
-    )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        together = run_step(X86AttentionBackend, cache.clone(), common, (q, k, v), 9, 3, 64)
-        one_by_one = cache.clone()
-        table = common.block_table[0, : -(-(context + rows) // 16)].tolist()
-        for j in range(rows):
-            step = CommonAttentionMetadata.from_block_tables([1], [context + j], [table], 16)
-            qkv_j = (q[j : j + 1], k[j : j + 1], v[j : j + 1])
-            out = run_step(X86AttentionBackend, one_by_one, step, qkv_j, 9, 3, 64)
-            assert torch.equal(out[0], together[j]), f"row {j}"
-    finally:
-        torch.set_num_threads(threads)

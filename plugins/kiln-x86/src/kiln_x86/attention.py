@@ -77,49 +77,13 @@ class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
         if self.reference is not None:
             return self.reference.build(common)
         n = common.num_reqs
-        query_start_loc = common.query_start_loc[: n + 1].to(torch.int32)
-        seq_lens = common.seq_lens[:n].to(torch.int32)
-        block_table = common.block_table[:n].to(torch.int32)
-        query_start_loc, seq_lens, block_table = rows_as_decodes(
-            query_start_loc, seq_lens, block_table
-        )
         return X86AttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].to(torch.int64),
-            query_start_loc=query_start_loc.contiguous(),
-            seq_lens=seq_lens.contiguous(),
-            block_table=block_table.contiguous(),
+            query_start_loc=common.query_start_loc[: n + 1].to(torch.int32).contiguous(),
+            seq_lens=common.seq_lens[:n].to(torch.int32).contiguous(),
+            block_table=common.block_table[:n].to(torch.int32).contiguous(),
         )
-
-
-ROWS_AS_DECODES = 16
-"""A request with 2 to this many new tokens (a speculative step's verification, a short prompt)
-is attended as that many one-token decodes, row j over the context up to its own position: the
-decode kernel then computes each row exactly as a plain decode step at that position would, so
-greedy speculation gives the tokens of no speculation bit for bit (with one model thread; the
-kernel splits long decodes over threads by the step's size)."""
-
-
-def rows_as_decodes(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's requests with every request of 2..``ROWS_AS_DECODES`` new tokens split into
-    one-token requests (same block table, context ending at each row's position); tokens keep
-    their order, so queries, outputs and slots are unchanged. Int32 CPU tensors in and out."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_reqs]
-    split = (q_lens > 1) & (q_lens <= ROWS_AS_DECODES)
-    if not bool(split.any()):
-        return query_start_loc, seq_lens, block_table
-    repeats = torch.where(split, q_lens, 1)
-    owner = torch.repeat_interleave(torch.arange(len(q_lens)), repeats)  # [new num_reqs]
-    first = torch.cumsum(repeats, 0) - repeats  # each request's first new row
-    row = torch.arange(len(owner), dtype=torch.int32) - first[owner]  # row within its request
-    is_split = split[owner]
-    new_q_lens = torch.where(is_split, 1, q_lens[owner])
-    new_seq_lens = torch.where(is_split, seq_lens[owner] - q_lens[owner] + row + 1, seq_lens[owner])
-    new_start_loc = torch.zeros(len(owner) + 1, dtype=torch.int32)
-    torch.cumsum(new_q_lens, 0, out=new_start_loc[1:])
-    return new_start_loc, new_seq_lens.to(torch.int32), block_table[owner]
 
 
 class X86AttentionImpl(AttentionImpl[Any]):
