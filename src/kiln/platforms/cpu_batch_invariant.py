@@ -6,10 +6,13 @@ request run alone and inside a batch of 32 (SmolLM2-135M, oneDNN-packed weights,
 
 - oneDNN's bf16 matmul changes how it splits the reduction once a call has enough rows: the
   1536 -> 576 down projection gives rows that differ from the same rows computed alone from about
-  130 rows up (a 32-prompt prefill has ~300). With at most 128 rows per call every row equals its
-  one-row result, for every projection of the model and the LM head. So this mode runs the
-  ``linear`` and ``logits_processor`` ops in tiles of at most ``ROW_TILE`` rows. Decode batches
-  are below the tile, so only prefills pay: one extra pass over each weight per 128 tokens.
+  130 rows up on a CPU with AMX (a 32-prompt prefill has ~300), and from 4 rows up on an
+  AVX512-BF16 CPU without AMX (a Xeon VM, 2026-12-01). So this mode runs the ``linear`` and
+  ``logits_processor`` ops in tiles of at most ``row_tile()`` rows: 128 with AMX, where every
+  row then equals its one-row result for every projection of the model and the LM head (decode
+  batches are below the tile, so only prefills pay, one extra pass over each weight per 128
+  tokens); 1 without, where each row is its own call, the one-row result by construction (slow,
+  for a mode that exists for exactness).
 - decode attention pads every request's context to the longest in the batch, and the bf16
   ``probs @ v`` product rounds differently for another padded length, although the padding
   contributes zeros. ``CPUBatchInvariantAttentionBackend``
@@ -23,6 +26,7 @@ guarantees of its API; ``tests/platforms/test_cpu_batch_invariant.py`` checks th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -32,15 +36,30 @@ from kiln.platforms import cpu_ops
 
 PROVIDER = "onednn_batch_invariant"
 
-ROW_TILE = 128
-"""The most rows one oneDNN call gets in this mode (the measured limit above)."""
+AMX_ROW_TILE = 128
+"""The most rows one oneDNN call gets in this mode on a CPU with AMX (the measured limit above)."""
+
+
+@functools.cache
+def row_tile() -> int:
+    """Rows per oneDNN call in this mode: ``AMX_ROW_TILE`` where /proc/cpuinfo lists AMX-BF16,
+    else 1 (see the module docstring)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError:
+        flags = []
+    return AMX_ROW_TILE if "amx_bf16" in flags else 1
 
 
 def _tiled(x: torch.Tensor, module: torch.nn.Module, weight: torch.Tensor, bias: Any) -> Any:
-    # [num_tokens, input] -> [num_tokens, output], at most ROW_TILE rows per oneDNN call.
-    if x.shape[0] <= ROW_TILE:
+    # [num_tokens, input] -> [num_tokens, output], at most row_tile() rows per oneDNN call.
+    tile = row_tile()
+    if x.shape[0] <= tile:
         return cpu_ops._linear(x, module, weight, bias)
-    return torch.cat([cpu_ops._linear(tile, module, weight, bias) for tile in x.split(ROW_TILE)])
+    return torch.cat([cpu_ops._linear(rows, module, weight, bias) for rows in x.split(tile)])
 
 
 def _linear_supports(op: Any, x: torch.Tensor) -> bool:
