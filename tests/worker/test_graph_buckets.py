@@ -1,4 +1,4 @@
-"""The model runner's graph seam: decode buckets, padding, and eager steps outside the buckets.
+"""The model runner's graph seam: buckets, padding, and eager steps outside the buckets.
 
 On the reference cpu platform ``graph_capture_sizes`` turns the padding on while the wrapper stays
 ``EagerGraphWrapper``, so these tests check the runner's side of the contract in
@@ -53,6 +53,11 @@ def test_default_buckets_follow_the_platform_and_max_num_seqs() -> None:
     # Set explicitly: used on any platform, sizes above max_num_seqs dropped, sorted, deduplicated.
     assert graph_capture_sizes(_config(8, (16, 4, 1, 4)), False) == [1, 4]
     assert graph_capture_sizes(_config(8, ()), True) == []
+    # With drafts a step of 2 requests has up to 2 * (1 + 3) tokens: the buckets reach 8.
+    speculative = _config(2, None).replace(
+        speculative__method="ngram", speculative__num_speculative_tokens=3
+    )
+    assert graph_capture_sizes(speculative, True) == [1, 2, 4, 8]
 
 
 def test_padded_size_at_bucket_edges() -> None:
@@ -124,8 +129,9 @@ def _runner(llm: LLM) -> Any:
 @pytest.mark.parametrize("batch", range(1, MAX_NUM_SEQS + 1))
 def test_padded_decodes_match_unpadded(bucketed_llm, llm_f32, batch) -> None:
     """Every batch size around every bucket edge (b - 1, b, b + 1): the same greedy tokens and
-    logprobs as an engine without buckets; decode steps go through the wrapper padded to the
-    bucket, prefill steps and the batch above the largest bucket do not."""
+    logprobs as an engine without buckets; every step of at most the largest bucket's tokens (the
+    decodes, a prompt that short) goes through the wrapper padded to a bucket, larger ones do
+    not."""
     runner = _runner(bucketed_llm)
     assert runner.graph_sizes == list(BUCKETS)
     original = runner.runnable
@@ -143,9 +149,9 @@ def test_padded_decodes_match_unpadded(bucketed_llm, llm_f32, batch) -> None:
         ):
             for token_id, logprob in step_want.items():
                 assert step_got[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
-    size = padded_size(BUCKETS, batch)
-    # One prefill step, then three decode steps of the whole batch.
-    assert spy.calls == ([] if size is None else [(size, batch)] * 3)
+    # One prefill step of every prompt, then three decode steps of the whole batch.
+    steps = [sum(len(out.prompt_token_ids) for out in ours)] + [batch] * 3
+    assert spy.calls == [(padded_size(BUCKETS, n), n) for n in steps if n <= max(BUCKETS)]
 
 
 @pytest.mark.slow
@@ -178,3 +184,29 @@ def test_padding_rows_write_only_the_real_slots(bucketed_llm) -> None:
     engine.abort_request([f"pad-{i}" for i in range(3)])
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.slow
+def test_speculative_verifications_go_through_the_wrapper(bucketed_llm, llm_f32, gguf_path) -> None:
+    """With ngram drafts, a step verifying a request's 1 + k tokens fits a bucket and goes
+    through the wrapper padded; greedy tokens stay those of no speculation."""
+    del bucketed_llm  # in the main process it ran this file in a fresh one (cpu platform)
+    llm = LLM(
+        gguf_path,
+        dtype="float32",
+        kv_cache_memory=0.05,
+        max_model_len=1024,
+        max_num_seqs=2,
+        graph_capture_sizes=list(BUCKETS),
+        platform="cpu",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+    )
+    runner = _runner(llm)
+    spy = runner.runnable = RecordingWrapper(runner.runnable)
+    prompt = "Repeat after me: one two three four five six. one two three four five six. one two"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == llm_f32.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    verifications = [(size, n) for size, n in spy.calls if 1 < n <= 4]
+    assert verifications, spy.calls  # one request with drafts: 2..4 tokens, not a prompt
+    assert all(size == padded_size(BUCKETS, n) for size, n in spy.calls)

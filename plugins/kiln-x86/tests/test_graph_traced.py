@@ -89,3 +89,21 @@ def test_shape_outside_the_buckets_runs_eagerly(tiny_model, traced) -> None:
     expected, _ = _step(model, tiny_model, 3, 3, prefill=True)
     _restore(caches, saved)
     torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+
+
+def test_prefill_padded_to_a_bucket_replays_its_trace(tiny_model, traced) -> None:
+    """A graph holds nothing of the decode step it was traced on: a 3-token prompt padded to the
+    4-token bucket (as the runner pads any step that fits one) replays that trace and equals the
+    eager step of the same padded rows bit for bit."""
+    model, caches = tiny_model
+    wrapper, calls = traced
+    saved = {name: cache.clone() for name, cache in caches.items()}
+    before = calls.count
+    hidden, _ = _step(wrapper, tiny_model, 3, 4, prefill=True)
+    assert calls.count == before  # replayed: no layer's Python forward ran
+    written = _restore(caches, saved)
+    expected, _ = _step(model, tiny_model, 3, 4, prefill=True)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+    for name, cache in caches.items():
+        torch.testing.assert_close(written[name], cache, rtol=0, atol=0)
+    _restore(caches, saved)

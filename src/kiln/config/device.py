@@ -83,12 +83,12 @@ class DeviceConfig:
     graph_capture_sizes: tuple[int, ...] | None = field(
         default=None, metadata={"metavar": "N,N,...", "parse": parse_graph_capture_sizes}
     )
-    """Decode batch sizes (buckets) the graph wrapper captures at start-up; a decode step of
-    ``n`` requests is padded to the smallest bucket ``>= n``, and other steps (prefill, mixed,
-    above the largest bucket) run eagerly. ``None``: the platform's choice, which is none where it
-    captures nothing (``supports_graph_capture = False``), else 1, 2, 4, 8, 16, then every 16, up
-    to ``max_num_seqs`` (see ``kiln.worker.graph.graph_capture_sizes``); ``()``: no capture. As a
-    flag: "1,2,4,8" ("" for none)."""
+    """Token counts (buckets) the graph wrapper captures at start-up; a step of ``n`` tokens
+    (decodes, speculative verifications, a short prompt) is padded to the smallest bucket
+    ``>= n``, and larger steps run eagerly. ``None``: the platform's choice, which is none where
+    it captures nothing (``supports_graph_capture = False``), else 1, 2, 4, 8, 16, then every 16,
+    up to ``max_num_seqs`` (see ``kiln.worker.graph.graph_capture_sizes``, which also drops sizes
+    no step reaches); ``()``: no capture. As a flag: "1,2,4,8" ("" for none)."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_capture_sizes

@@ -1,29 +1,35 @@
-"""Graph wrappers: how a platform runs decode steps without per-op Python overhead.
+"""Graph wrappers: how a platform runs small steps (decodes) without per-op Python overhead.
 
-The model runner wraps its model with the platform's ``graph_wrapper_cls`` and routes decode steps
-through it, padded to a few fixed batch sizes (buckets), so a wrapper can prepare one static graph
-per bucket at start-up (record, compile or fuse it) and replay it for every step.
+The model runner wraps its model with the platform's ``graph_wrapper_cls`` and routes every step
+of up to the largest bucket's tokens through it, padded to a few fixed token counts (buckets), so
+a wrapper can prepare one static graph per bucket at start-up (record, compile or fuse it) and
+replay it for every such step.
 
 Contract between the runner (``kiln.worker.model_runner``) and a wrapper:
 
 - ``wrapper_cls(runnable, config)`` once, after the model is loaded. ``runnable`` is the model:
   ``runnable(input_ids [T], positions [T]) -> hidden_states [T, hidden]``; attention layers read
-  the step's metadata from the forward context (``kiln.forward_context``) at run time.
+  the step's metadata from the forward context (``kiln.forward_context``) at run time, so what a
+  step computes besides attention depends on ``T`` only.
 - ``capture(sizes)`` once at start-up, after the KV cache is bound, with the buckets in ascending
   order (``graph_capture_sizes``). Then the runner calls the wrapper once per bucket, largest
   first, with a dummy decode step of that many requests whose keys and values go to the reserved
   null block (``kiln.scheduler.kv_cache.NULL_BLOCK_ID``): a wrapper that records or compiles on
   first call does it there, so no step while serving pays for it.
-- ``wrapper(input_ids, positions)`` only for decode steps (one new token per request) padded to a
-  bucket: ``T`` is a bucket, the first ``num_actual_tokens`` rows (the attention metadata's) are
-  the requests, the rest are padding (token 0 at position 0). Padding rows have no KV-cache slot:
-  attention writes only the first ``num_actual_tokens`` keys and values and returns zeros past
-  them (``AttentionImpl.forward``), so padding never touches a real request's cache or rows. The
+- ``wrapper(input_ids, positions)`` for every step of at most the largest bucket's tokens, padded
+  to the smallest bucket that holds them, whatever its requests are: one-token decodes, a
+  speculative verification's ``1 + k`` tokens per request, a short prompt or a mix. ``T`` is a
+  bucket, the first ``num_actual_tokens`` rows (the attention metadata's) are the step's tokens,
+  the rest are padding (token 0 at position 0). Padding rows have no KV-cache slot: attention
+  writes only the first ``num_actual_tokens`` keys and values and returns zeros past them
+  (``AttentionImpl.forward``), so padding never touches a real request's cache or rows. The
   runner reads only the real rows of the result. Rows must equal the eager model's up to the
-  rounding of a different kernel order.
-- Every other step (prefill, mixed prefill and decode, more requests than the largest bucket) runs
-  the model eagerly without the wrapper, so a wrapper never sees a shape it did not capture. A
-  wrapper called with another size anyway must run ``runnable`` eagerly.
+  rounding of a different kernel order. A graph must therefore not bake in anything of the
+  metadata it was captured with (request count, query lengths): attention stays an op that reads
+  it at run time.
+- A step of more tokens than the largest bucket runs the model eagerly without the wrapper, so a
+  wrapper never sees a shape it did not capture. A wrapper called with another size anyway must
+  run ``runnable`` eagerly.
 
 ``EagerGraphWrapper`` (the reference ``cpu`` platform's) captures nothing: every call runs the
 model directly, and with ``graph_capture_sizes=None`` the runner does not pad at all.
@@ -43,13 +49,15 @@ DEFAULT_SIZE_STEP = 16
 
 
 def graph_capture_sizes(config: KilnConfig, supports_graph_capture: bool) -> list[int]:
-    """The buckets decode steps are padded to, ascending; empty: no capture, no padding.
+    """The buckets small steps are padded to, ascending; empty: no capture, no padding.
 
-    ``device.graph_capture_sizes`` when set (sizes above ``max_num_seqs`` dropped, since no step
-    has more requests); else none when the platform captures nothing, else 1, 2, 4, 8, 16, then
-    every 16 up to ``max_num_seqs``, and ``max_num_seqs`` itself (so every decode step fits).
+    ``device.graph_capture_sizes`` when set; else none when the platform captures nothing, else
+    1, 2, 4, 8, 16, then every 16 up to ``max_num_seqs``, and ``max_num_seqs`` itself (so every
+    decode step fits). Sizes above ``max_num_seqs * (1 + num_speculative_tokens)`` are dropped:
+    no step of decodes and verifications has more tokens.
     """
     max_num_seqs = config.scheduler.max_num_seqs
+    max_tokens = max_num_seqs * (1 + config.speculative.num_speculative_tokens)
     sizes = config.device.graph_capture_sizes
     if sizes is None:
         if not supports_graph_capture:
@@ -59,7 +67,7 @@ def graph_capture_sizes(config: KilnConfig, supports_graph_capture: bool) -> lis
             *range(2 * DEFAULT_SIZE_STEP, max_num_seqs, DEFAULT_SIZE_STEP),
         )
         sizes = (*sizes, max_num_seqs)
-    return sorted({s for s in sizes if s <= max_num_seqs})
+    return sorted({s for s in sizes if s <= max_tokens})
 
 
 def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
@@ -71,7 +79,7 @@ def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
 
 
 class GraphWrapper(ABC):
-    """Runs the model's decode steps from captured graphs; see the module docstring."""
+    """Runs the model's small steps from captured graphs; see the module docstring."""
 
     @abstractmethod
     def __init__(self, runnable: Callable[..., Any], config: KilnConfig) -> None: ...

@@ -9,17 +9,17 @@ row for each request that asked, and a request's prompt logprobs whole (gathered
 chunks) in the step that samples its first token. It is device-agnostic PyTorch: platforms reuse
 it or subclass it.
 
-Graphs: decode steps (one new token per request) of at most the largest bucket are padded to the
-smallest bucket that holds them and run through the platform's graph wrapper, which
-``capture_model`` prepared at start-up; every other step runs the model eagerly. The contract is in
-``kiln.worker.graph``; with the reference platform's defaults there are no buckets and no padding.
+Graphs: a step of at most the largest bucket's tokens (decodes, speculative verifications, short
+prompts, in any mix) is padded to the smallest bucket that holds it and runs through the
+platform's graph wrapper, which ``capture_model`` prepared at start-up; a larger step runs the
+model eagerly. The contract is in ``kiln.worker.graph``; with the reference platform's defaults
+there are no buckets and no padding.
 
 Speculative decoding (``kiln.spec_decode.speculator``): a request scheduled with drafts gets
 logits at its last ``1 + k`` positions, each sampled with the metadata of its position, and the
 platform's rejection sampler decides what it emits (its accepted drafts and one more token);
 after sampling the platform's proposer drafts the next step's tokens of every request that
-emitted some (``ModelRunnerOutput.spec_token_ids``), except those with a grammar. Steps with
-drafts run eagerly.
+emitted some (``ModelRunnerOutput.spec_token_ids``), except those with a grammar.
 
 It knows nothing about scheduling policy or text; the platform's attention backend, graph wrapper
 and device come from the config and the platform.
@@ -188,8 +188,9 @@ class ModelRunner(ModelRunnerBase):
         ends = np.cumsum(num_positions)  # request i's logits rows: ends[i] - num_positions[i] ..
         starts = ends - num_positions
         num_tokens = len(input_ids)
-        # Only uniform decodes replay a graph: a prefill's shape is not a bucket's.
-        graph_size = padded_size(self.graph_sizes, num_tokens) if num_tokens == len(rows) else None
+        # A graph depends on the token count only (attention reads the step's metadata at run
+        # time), so any step that fits a bucket replays it, speculative verifications included.
+        graph_size = padded_size(self.graph_sizes, num_tokens)
         model = self.model
         if graph_size is not None:
             # Padding rows get no KV slot (the metadata covers the real tokens only); see graph.py.

@@ -1,4 +1,4 @@
-"""kiln-x86's graph wrappers: decode steps replayed from one graph per bucket.
+"""kiln-x86's graph wrappers: small steps (decodes, verifications) replayed per bucket.
 
 ``TracedGraphWrapper`` (the default, ``x86.graph = "trace"``): ``torch.jit.trace`` records each
 bucket's decode step once at start-up (about a second each), as a graph of dispatcher ops that
@@ -7,8 +7,9 @@ Python bindings around each kernel are gone from a step, while every op runs the
 eagerly (``kiln.model_executor.custom_op.is_capturing`` makes them record their
 ``torch.ops.*`` form), so the rows equal the eager model's bit for bit. Attention is one opaque
 op (``torch.ops.kiln.unified_attention``) whose Python kernel runs the backend with the step's
-metadata. A trace is exact for the shapes it saw, hence one per bucket; any other size runs
-eagerly.
+metadata at run time, so a bucket's trace (recorded on a dummy decode step) serves any step of
+that many tokens: decodes, speculative verifications, a short prompt. A trace is exact for the
+shapes it saw, hence one per bucket; any other size runs eagerly.
 
 ``CompiledGraphWrapper`` (``x86.graph = "inductor"``): ``capture(sizes)`` makes one
 ``torch.compile`` of the model (inductor's C++ backend, static shapes, the whole forward as one

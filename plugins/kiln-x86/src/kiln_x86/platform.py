@@ -75,8 +75,9 @@ def _dense_where_needed(config: KilnConfig) -> KilnConfig:
 TRACED_WRAPPER = "kiln_x86.graph.TracedGraphWrapper"
 COMPILED_WRAPPER = "kiln_x86.graph.CompiledGraphWrapper"
 TRACE_SIZES = (1, 2, 4, 8, 16)
-"""Default decode buckets of ``x86.graph = "trace"`` (up to ``max_num_seqs``): about a second
-of start-up each; a step of more requests runs eagerly, where Python is a small part of it."""
+"""Default buckets of ``x86.graph = "trace"`` (up to the most tokens a step of decodes and
+verifications has, ``kiln.worker.graph.graph_capture_sizes``): about a second of start-up each;
+a step of more tokens runs eagerly, where Python is a small part of it."""
 
 
 def _graph_mode(config: KilnConfig, mode: str) -> KilnConfig:
