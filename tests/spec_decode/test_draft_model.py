@@ -199,8 +199,9 @@ def test_a_draft_with_another_vocabulary_is_refused(
 def test_draft_cache_follows_the_accepted_tokens(target: str, draft: str) -> None:
     """The proposer against the draft model served on its own (greedy tokens, top-2 logprobs):
     two requests drafting in one batch, then one with a draft rejected and one with all its
-    drafts and a bonus accepted; their next drafts must be the draft's continuation of the new
-    tokens, and the probabilities of a sampled request's first draft the draft's top-2."""
+    drafts and a bonus accepted, then both three tokens on with their first draft rejected;
+    their next drafts must be the draft's continuation of the new tokens, and the probabilities
+    of a sampled request's first draft the draft's top-2."""
     reference = LLM(draft, **COMMON)
     platform = platforms.current_platform  # selected by the LLM
     args = EngineArgs.from_kwargs(
@@ -266,5 +267,20 @@ def test_draft_cache_follows_the_accepted_tokens(target: str, draft: str) -> Non
     assert drafts[0] == greedy_continuation(tokens[0])
     q = proposer.draft_probs(["s"], [K])
     assert q is not None
+    check_first_q(tokens[1], q[0], drafts[1][0])
+
+    # Both three tokens on, their first draft rejected: more than one verification since the
+    # proposal (the proposer reads tokens, not steps), so "at least the last token again" does
+    # not cover the rejected drafts' positions: the catch-up must start at the first.
+    tokens = [
+        ids + [(proposed[0] + 1) % vocab_size, (proposed[1] + 1) % vocab_size, ids[-1]]
+        for ids, proposed in zip(tokens, drafts, strict=True)
+    ]
+    drafts = propose(tokens)
+    assert drafts[0] == greedy_continuation(tokens[0])
+    q = proposer.draft_probs(["s"], [K])
+    assert q is not None
+    # The sampled request's q sees stale keys; the greedy one's argmax (mostly its last token
+    # repeated) may not.
     check_first_q(tokens[1], q[0], drafts[1][0])
     assert len(tokens[0]) + K - 1 <= 8 * block_size  # the drafts' keys fit the blocks given
