@@ -3,9 +3,10 @@ share the default model's tokenizer: greedy output token for token as without sp
 another model as the draft (some drafts accepted) and with the target as its own draft (nearly
 all accepted, sampled requests too, which needs the draft's probabilities); a batch that mixes
 greedy, sampled and grammar-bound requests; stop strings, ``max_tokens`` and prefix-cache hits;
-preemption while speculating; the sampled distribution (with its control); a draft with another
-vocabulary refused; and the proposer's draft cache against the draft model run on its own: in
-step with the accepted tokens, and its probabilities those of the draft."""
+tensor parallelism (TP=2); preemption while speculating; the sampled distribution (with its
+control); a draft with another vocabulary refused; and the proposer's draft cache against the
+draft model run on its own: in step with the accepted tokens, and its probabilities those of
+the draft."""
 
 from __future__ import annotations
 
@@ -146,6 +147,26 @@ def test_mixed_batch_of_greedy_sampled_and_grammar_requests(plain: LLM, spec: LL
     # Greedy and grammar-bound requests (which do not speculate) as without speculation.
     assert [got[i] for i in (0, 1, 3)] == [expected[i] for i in (0, 1, 3)]
     assert got[2][2] == "length" and len(got[2][0]) == 24
+
+
+def test_tp2_greedy_output_is_the_same(target: str, draft: str, plain: LLM) -> None:
+    """Tensor parallelism: the draft is built in the ranks' group, sharded as the target (each
+    draft forward runs the collectives); every rank drafts and verifies the same tokens."""
+    llm = LLM(
+        target,
+        tensor_parallel_size=2,
+        speculative_config={"model": draft, "num_speculative_tokens": K},
+        **COMMON,
+    )
+    prompts = _prompts(plain, 3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    try:
+        got = results(llm, prompts, params)
+        drafts, draft_tokens, accepted = spec_counts(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == results(plain, prompts, params)
+    assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
 
 
 BYTES_PER_BLOCK = (2 + 1) * 2 * 2 * 16 * 4 * 16  # target's 2 layers + draft's 1, K and V, f32
