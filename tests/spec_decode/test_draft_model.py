@@ -2,11 +2,11 @@
 share the default model's tokenizer: greedy output token for token as without speculation, with
 another model as the draft (some drafts accepted) and with the target as its own draft (nearly
 all accepted, sampled requests too, which needs the draft's probabilities); a batch that mixes
-greedy, sampled and grammar-bound requests; stop strings, ``max_tokens`` and prefix-cache hits;
-tensor parallelism (TP=2); preemption while speculating; the sampled distribution (with its
-control); a draft with another vocabulary refused; and the proposer's draft cache against the
-draft model run on its own: in step with the accepted tokens, and its probabilities those of
-the draft."""
+greedy, sampled and grammar-bound requests (JSON schema, regex, choice: valid, drafting nothing);
+stop strings, ``max_tokens`` and prefix-cache hits; tensor parallelism (TP=2); preemption while
+speculating; the sampled distribution (with its control); a draft with another vocabulary
+refused; and the proposer's draft cache against the draft model run on its own: in step with the
+accepted tokens, and its probabilities those of the draft."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 from spec_utils import (
+    GRAMMAR_PROMPTS,
     AlwaysAccept,
+    check_grammar_outputs,
     chi2_critical_001,
+    grammar_params,
     homogeneity,
     results,
     sample_sequences,
@@ -26,7 +29,6 @@ from spec_utils import (
 from kiln import LLM, SamplingParams, platforms
 from kiln.engine.arg_utils import EngineArgs
 from kiln.sampling.metadata import SamplingMetadata, make_generator
-from kiln.sampling_params import StructuredOutputsParams
 from kiln.spec_decode.draft_model import DraftModelProposer
 from kiln.spec_decode.interface import ProposalInputs
 from kiln.testing.models import save_tiny_model
@@ -134,19 +136,18 @@ def test_seeded_sampled_requests_repeat(spec: LLM) -> None:
 
 def test_mixed_batch_of_greedy_sampled_and_grammar_requests(plain: LLM, spec: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    regex = SamplingParams(
-        temperature=0,
-        max_tokens=24,
-        structured_outputs=StructuredOutputsParams(regex=r"(ab|cd)+ end"),
-    )
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
-    prompts = _prompts(plain, 4)
-    params = [greedy, regex, sampled, greedy]
+    # A JSON schema, a regex and a choice (spec_utils.GRAMMARS) among speculating requests.
+    prompts = [*_prompts(plain, 3), *GRAMMAR_PROMPTS]
+    params = [greedy, sampled, greedy, *grammar_params()]
+    before = spec_counts(spec)
     got = results(spec, prompts, params)
     expected = results(plain, prompts, params)
     # Greedy and grammar-bound requests (which do not speculate) as without speculation.
-    assert [got[i] for i in (0, 1, 3)] == [expected[i] for i in (0, 1, 3)]
-    assert got[2][2] == "length" and len(got[2][0]) == 24
+    assert [got[i] for i in (0, 2, 3, 4, 5)] == [expected[i] for i in (0, 2, 3, 4, 5)]
+    assert got[1][2] == "length" and len(got[1][0]) == 24
+    assert _since(spec, before)[2] > 0
+    check_grammar_outputs(spec, got[3:])
 
 
 def test_tp2_greedy_output_is_the_same(target: str, draft: str, plain: LLM) -> None:
