@@ -2,7 +2,7 @@
 on the default model and on small random models whose shapes exercise the sharding (4 KV heads
 split over ranks, 1 KV head replicated, a vocabulary of 257 rows padded to 258); on a plugin's
 platform, the model's collectives (TP=2) and stage transfers (PP=2) run through the communicator
-the plugin names; quantized weights are refused with more than one rank."""
+the plugin names; quantized weights are refused with more than one rank, a draft model's too."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.config import KilnConfig, ModelConfig, ParallelConfig
+from kiln.config import KilnConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from kiln.distributed.parallel_state import prepare_tensor_parallel_config
 from kiln.testing.models import save_tiny_model
 
@@ -73,6 +73,10 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_default_model(gguf_path):
     # quantization auto: dense weights with more than one rank.
     tp2 = _greedy(gguf_path, 2, prompts)
     assert tp2 == tp1
+    # With the default model drafting for itself: the draft's GGUF weights go dense too, and it
+    # is sharded as the target (before, the ranks refused its quantized embedding).
+    draft = {"model": gguf_path, "num_speculative_tokens": 3}
+    assert _greedy(gguf_path, 2, prompts[:2], speculative_config=draft) == tp1[:2]
 
 
 PLUGIN_RUN = """
@@ -130,3 +134,22 @@ def test_auto_quantization_means_dense_weights_with_more_than_one_rank():
     assert prepare_tensor_parallel_config(config).model.quantization == "none"
     single = KilnConfig(model=ModelConfig(quantization="gguf"))
     assert prepare_tensor_parallel_config(single) is single
+
+
+def _with_draft(quantization: str | None) -> KilnConfig:
+    draft = SpeculativeConfig(
+        method="draft_model", model="d.gguf", num_speculative_tokens=2, quantization=quantization
+    )
+    return KilnConfig(parallel=ParallelConfig(tensor_parallel_size=2), speculative=draft)
+
+
+@pytest.mark.parametrize("method", ["gguf", "int8", "int4"])
+def test_a_quantized_draft_model_is_refused_with_more_than_one_rank(method):
+    # Before: the ranks failed while building the draft, naming model.quantization.
+    with pytest.raises(ValueError, match=rf"speculative.quantization='{method}'.*allowed: 'auto'"):
+        prepare_tensor_parallel_config(_with_draft(method))
+
+
+def test_a_draft_model_has_dense_weights_with_more_than_one_rank():
+    for auto in (None, "auto"):
+        assert prepare_tensor_parallel_config(_with_draft(auto)).speculative.quantization == "none"

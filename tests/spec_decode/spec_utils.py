@@ -1,13 +1,18 @@
 """Helpers of the speculative-decoding tests: tiny random models that share the default model's
-tokenizer, sampling many seeded requests, and a chi-square test of homogeneity with an
-always-accepting rejection sampler as its control."""
+tokenizer, grammar-bound requests and their check, sampling many seeded requests, and a
+chi-square test of homogeneity with an always-accepting rejection sampler as its control."""
 
 from __future__ import annotations
 
 import collections
+import json
 import pathlib
+import re
+
+import jsonschema_rs
 
 from kiln import LLM, SamplingParams
+from kiln.sampling_params import StructuredOutputsParams
 from kiln.spec_decode.interface import RejectionOutput
 from kiln.spec_decode.rejection_sampler import RejectionSampler
 from kiln.testing.models import save_tiny_model
@@ -48,6 +53,48 @@ def results(llm: LLM, prompts: list, params) -> list[tuple[list[int], str, str |
     return [
         (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs
     ]
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+GRAMMARS = [
+    # No free white space: a tiny repeating model would repeat it up to max_tokens.
+    StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
+    StructuredOutputsParams(regex=r"(ab|cd){2,4} end"),
+    StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+]
+"""A JSON schema, a regex and a choice, each bounded: any model completes them in 60 tokens."""
+GRAMMAR_PROMPTS = ["Describe a person as JSON.", "Repeat: abab end", "Is the sky green? Answer:"]
+
+
+def grammar_params() -> list[SamplingParams]:
+    """Greedy requests bound by ``GRAMMARS``, in order."""
+    return [SamplingParams(temperature=0, max_tokens=60, structured_outputs=g) for g in GRAMMARS]
+
+
+def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | None]]) -> None:
+    """``outputs``: the ``results`` of ``GRAMMAR_PROMPTS`` with ``grammar_params()`` in a batch
+    with speculating requests. Each is complete and obeys its grammar, and the same requests
+    alone give the same outputs and draft nothing (a request with a grammar never speculates)."""
+    for grammar, (_, text, reason) in zip(GRAMMARS, outputs, strict=True):
+        assert reason == "stop", text
+        if grammar.json is not None:
+            jsonschema_rs.validate(grammar.json, json.loads(text))
+        elif grammar.regex is not None:
+            assert re.fullmatch(grammar.regex, text), text
+        else:
+            assert grammar.choice is not None and text in grammar.choice, text
+    before = spec_counts(llm)
+    assert results(llm, GRAMMAR_PROMPTS, grammar_params()) == outputs
+    assert spec_counts(llm) == before
 
 
 def spec_counts(llm: LLM) -> tuple[int, int, int]:

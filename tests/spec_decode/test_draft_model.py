@@ -2,10 +2,11 @@
 share the default model's tokenizer: greedy output token for token as without speculation, with
 another model as the draft (some drafts accepted) and with the target as its own draft (nearly
 all accepted, sampled requests too, which needs the draft's probabilities); a batch that mixes
-greedy, sampled and grammar-bound requests; stop strings, ``max_tokens`` and prefix-cache hits;
-preemption while speculating; the sampled distribution (with its control); a draft with another
-vocabulary refused; and the proposer's draft cache against the draft model run on its own: in
-step with the accepted tokens, and its probabilities those of the draft."""
+greedy, sampled and grammar-bound requests (JSON schema, regex, choice: valid, drafting nothing);
+stop strings, ``max_tokens`` and prefix-cache hits; tensor parallelism (TP=2); preemption while
+speculating; the sampled distribution (with its control); a draft with another vocabulary
+refused; and the proposer's draft cache against the draft model run on its own: in step with the
+accepted tokens, and its probabilities those of the draft."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 from spec_utils import (
+    GRAMMAR_PROMPTS,
     AlwaysAccept,
+    check_grammar_outputs,
     chi2_critical_001,
+    grammar_params,
     homogeneity,
     results,
     sample_sequences,
@@ -25,7 +29,6 @@ from spec_utils import (
 from kiln import LLM, SamplingParams, platforms
 from kiln.engine.arg_utils import EngineArgs
 from kiln.sampling.metadata import SamplingMetadata, make_generator
-from kiln.sampling_params import StructuredOutputsParams
 from kiln.spec_decode.draft_model import DraftModelProposer
 from kiln.spec_decode.interface import ProposalInputs
 from kiln.testing.models import save_tiny_model
@@ -133,19 +136,38 @@ def test_seeded_sampled_requests_repeat(spec: LLM) -> None:
 
 def test_mixed_batch_of_greedy_sampled_and_grammar_requests(plain: LLM, spec: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    regex = SamplingParams(
-        temperature=0,
-        max_tokens=24,
-        structured_outputs=StructuredOutputsParams(regex=r"(ab|cd)+ end"),
-    )
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
-    prompts = _prompts(plain, 4)
-    params = [greedy, regex, sampled, greedy]
+    # A JSON schema, a regex and a choice (spec_utils.GRAMMARS) among speculating requests.
+    prompts = [*_prompts(plain, 3), *GRAMMAR_PROMPTS]
+    params = [greedy, sampled, greedy, *grammar_params()]
+    before = spec_counts(spec)
     got = results(spec, prompts, params)
     expected = results(plain, prompts, params)
     # Greedy and grammar-bound requests (which do not speculate) as without speculation.
-    assert [got[i] for i in (0, 1, 3)] == [expected[i] for i in (0, 1, 3)]
-    assert got[2][2] == "length" and len(got[2][0]) == 24
+    assert [got[i] for i in (0, 2, 3, 4, 5)] == [expected[i] for i in (0, 2, 3, 4, 5)]
+    assert got[1][2] == "length" and len(got[1][0]) == 24
+    assert _since(spec, before)[2] > 0
+    check_grammar_outputs(spec, got[3:])
+
+
+def test_tp2_greedy_output_is_the_same(target: str, draft: str, plain: LLM) -> None:
+    """Tensor parallelism: the draft is built in the ranks' group, sharded as the target (each
+    draft forward runs the collectives); every rank drafts and verifies the same tokens."""
+    llm = LLM(
+        target,
+        tensor_parallel_size=2,
+        speculative_config={"model": draft, "num_speculative_tokens": K},
+        **COMMON,
+    )
+    prompts = _prompts(plain, 3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    try:
+        got = results(llm, prompts, params)
+        drafts, draft_tokens, accepted = spec_counts(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == results(plain, prompts, params)
+    assert drafts > 0 and 0 < accepted < draft_tokens, (drafts, draft_tokens, accepted)
 
 
 BYTES_PER_BLOCK = (2 + 1) * 2 * 2 * 16 * 4 * 16  # target's 2 layers + draft's 1, K and V, f32
@@ -199,8 +221,9 @@ def test_a_draft_with_another_vocabulary_is_refused(
 def test_draft_cache_follows_the_accepted_tokens(target: str, draft: str) -> None:
     """The proposer against the draft model served on its own (greedy tokens, top-2 logprobs):
     two requests drafting in one batch, then one with a draft rejected and one with all its
-    drafts and a bonus accepted; their next drafts must be the draft's continuation of the new
-    tokens, and the probabilities of a sampled request's first draft the draft's top-2."""
+    drafts and a bonus accepted, then both three tokens on with their first draft rejected;
+    their next drafts must be the draft's continuation of the new tokens, and the probabilities
+    of a sampled request's first draft the draft's top-2."""
     reference = LLM(draft, **COMMON)
     platform = platforms.current_platform  # selected by the LLM
     args = EngineArgs.from_kwargs(
@@ -266,5 +289,20 @@ def test_draft_cache_follows_the_accepted_tokens(target: str, draft: str) -> Non
     assert drafts[0] == greedy_continuation(tokens[0])
     q = proposer.draft_probs(["s"], [K])
     assert q is not None
+    check_first_q(tokens[1], q[0], drafts[1][0])
+
+    # Both three tokens on, their first draft rejected: more than one verification since the
+    # proposal (the proposer reads tokens, not steps), so "at least the last token again" does
+    # not cover the rejected drafts' positions: the catch-up must start at the first.
+    tokens = [
+        ids + [(proposed[0] + 1) % vocab_size, (proposed[1] + 1) % vocab_size, ids[-1]]
+        for ids, proposed in zip(tokens, drafts, strict=True)
+    ]
+    drafts = propose(tokens)
+    assert drafts[0] == greedy_continuation(tokens[0])
+    q = proposer.draft_probs(["s"], [K])
+    assert q is not None
+    # The sampled request's q sees stale keys; the greedy one's argmax (mostly its last token
+    # repeated) may not.
     check_first_q(tokens[1], q[0], drafts[1][0])
     assert len(tokens[0]) + K - 1 <= 8 * block_size  # the drafts' keys fit the blocks given

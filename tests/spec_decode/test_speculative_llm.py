@@ -1,13 +1,21 @@
 """Speculative decoding end to end (offline ``LLM``): greedy output token for token as without
 speculation, on the real default model in float32 and on a tiny random model; batches that mix
-speculating and plain requests (a grammar, a prompt with nothing to look up); stop strings,
+speculating and plain requests (a prompt with nothing to look up; JSON schema, regex and choice
+grammars: their outputs valid, their requests drafting nothing); stop strings,
 ``max_tokens`` and logprobs cut inside a verified run; preemption while speculating; and the
 acceptance counters the metrics read."""
 
 from __future__ import annotations
 
 import pytest
-from spec_utils import results, save_tiny_repeater, spec_counts
+from spec_utils import (
+    GRAMMAR_PROMPTS,
+    check_grammar_outputs,
+    grammar_params,
+    results,
+    save_tiny_repeater,
+    spec_counts,
+)
 
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import StructuredOutputsParams
@@ -105,15 +113,21 @@ def test_stop_strings_and_max_tokens_cut_inside_a_run(spec_llm: LLM, llm_f32: LL
     assert len(spec[1][0]) == 7
 
 
-def test_mixed_batch_with_a_grammar_and_plain_requests(spec_llm: LLM, llm_f32: LLM) -> None:
+def test_mixed_batch_with_grammars_and_plain_requests(spec_llm: LLM, llm_f32: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=32)
     regex = SamplingParams(
         temperature=0,
         max_tokens=32,
         structured_outputs=StructuredOutputsParams(regex=r"def [a-z]+\(a, b\):"),
     )
-    params = [greedy, regex, greedy, greedy]
-    assert results(spec_llm, PROMPTS, params) == results(llm_f32, PROMPTS, params)
+    # A JSON schema, a regex and a choice (spec_utils.GRAMMARS) among plain requests.
+    prompts = [*PROMPTS, *GRAMMAR_PROMPTS]
+    params = [greedy, regex, greedy, greedy, *grammar_params()]
+    before = spec_counts(spec_llm)
+    got = results(spec_llm, prompts, params)
+    assert got == results(llm_f32, prompts, params)
+    assert spec_counts(spec_llm)[2] > before[2]  # the plain requests speculated
+    check_grammar_outputs(spec_llm, got[len(PROMPTS) :])
 
 
 @pytest.fixture(scope="module")

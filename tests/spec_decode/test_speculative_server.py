@@ -1,8 +1,9 @@
 """``kiln serve --speculative-config`` with a draft model, end to end: the official ``openai``
 client over loopback gets the greedy text of no speculation (completions and chat, several
-requests at once), and ``/metrics`` and the periodic stats line report the drafts. The target
-and the draft are tiny random models with the default model's tokenizer (see ``spec_utils``);
-the reference is the target served offline without speculation, on the same platform."""
+requests at once), and ``/metrics`` and the periodic stats line report the drafts; with two
+data-parallel engines, each drafting, too. The target and the draft are tiny random models with
+the default model's tokenizer (see ``spec_utils``); the reference is the target served offline
+without speculation, on the same platform."""
 
 from __future__ import annotations
 
@@ -43,11 +44,15 @@ def target(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(target: str, gguf_path: str, tmp_path_factory: pytest.TempPathFactory):
+def draft(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     # Another random model, smaller: it agrees with the target on some tokens, not all.
-    draft = save_tiny_repeater(
+    return save_tiny_repeater(
         tmp_path_factory.mktemp("draft"), gguf_path, seed=1, num_hidden_layers=1
     )
+
+
+@pytest.fixture(scope="module")
+def server(target: str, draft: str):
     config = json.dumps({"model": draft, "num_speculative_tokens": K})
     # Stats logging stays on (no --disable-log-stats): the stats line is checked in the log.
     kiln = KilnServer([target, *ARGS, "--speculative-config", config, "--max-num-seqs", "4"])
@@ -119,3 +124,32 @@ def test_metrics_and_the_stats_line_report_the_drafts(
     )
     assert line is not None, server.output()[-3000:]
     assert "mean accepted length" in line
+
+
+def test_data_parallel_engines_each_speculate_with_their_own_draft(
+    target: str, draft: str, plain: LLM
+) -> None:
+    """``-dp 2``: each engine core loads its own draft and its draft cache (in its half of the
+    KV budget); requests on either engine get the greedy text of no speculation."""
+    config = json.dumps({"model": draft, "num_speculative_tokens": K})
+    kiln = KilnServer(
+        [target, *ARGS, "--speculative-config", config, "--data-parallel-size", "2"],
+        start_timeout=600,
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{kiln.url}/v1", api_key="none", max_retries=0)
+        prompts = PROMPTS * 2
+        # At once: the least busy engine takes each, so both engines get some.
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda prompt: _complete(client, prompt), prompts))
+        with httpx.Client(base_url=kiln.url, timeout=120) as http:
+            samples = scrape(http)
+    finally:
+        kiln.stop()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    expected = [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    for engine in ("0", "1"):
+        drafts = metric(samples, "kiln:spec_decode_num_drafts_total", engine=engine)
+        accepted = metric(samples, "kiln:spec_decode_num_accepted_tokens_total", engine=engine)
+        assert drafts > 0 and accepted > 0, (engine, samples)

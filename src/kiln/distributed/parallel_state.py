@@ -287,24 +287,35 @@ def prepare_tensor_parallel_config(config: KilnConfig) -> KilnConfig:
     stages keep whole layers, but a last stage whose LM head is tied to the embedding would
     need the embedding's blocks as its head, which no quantization method builds yet. So
     ``model.quantization`` auto means dense weights with more than one rank, and an explicit
-    method is refused.
+    method is refused; the same for a draft model's ``speculative.quantization`` (the draft is
+    built in the ranks' group, sharded as the target).
 
     Raises:
-        ValueError: ``model.quantization`` gguf, int8 or int4 with more than one rank.
+        ValueError: ``model.quantization`` or ``speculative.quantization`` gguf, int8 or int4
+            with more than one rank.
     """
     parallel = config.parallel
-    method = config.model.quantization or "auto"
     if parallel.world_size == 1:
         return config
-    if method not in ("auto", "none"):
-        raise ValueError(
-            f"model.quantization={method!r} keeps weights quantized, which tensor and pipeline "
-            f"parallelism do not split; with parallel.tensor_parallel_size="
-            f"{parallel.tensor_parallel_size} and pipeline_parallel_size="
-            f"{parallel.pipeline_parallel_size} allowed: 'auto' or 'none' (--quantization none, "
-            "dense weights)"
+    # Each field's value, and how to ask for dense weights there.
+    fields = {"model.quantization": (config.model.quantization, "--quantization none")}
+    if config.speculative.method == "draft_model":
+        fields["speculative.quantization"] = (
+            config.speculative.quantization,
+            '"quantization": "none" in --speculative-config',
         )
+    for name, (method, dense) in fields.items():
+        if method not in (None, "auto", "none"):
+            raise ValueError(
+                f"{name}={method!r} keeps weights quantized, which tensor and pipeline "
+                f"parallelism do not split; with parallel.tensor_parallel_size="
+                f"{parallel.tensor_parallel_size} and pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size} allowed: 'auto' or 'none' ({dense}, dense "
+                "weights)"
+            )
     config = config.replace(model__quantization="none")
+    if config.speculative.method == "draft_model":
+        config = config.replace(speculative__quantization="none")
     if config.device.graph_capture_sizes is None:
         # NOTE: collectives and transfers through torch.distributed are not captured by the
         # graph wrappers; eager steps until a platform's communicator says it can be captured.

@@ -149,7 +149,11 @@ class DraftModelProposer(ProposerBase):
             if state is not None:
                 written = state.drafts[:-1]
                 tokens = inputs.token_ids[row, state.num_cached : num_tokens].tolist()
-                # At least the last token goes in again: draft 1 comes from its logits.
+                # Drafts that were not accepted left stale keys: start at the first of them.
+                # At least the last token goes in again (draft 1 comes from its logits); when
+                # the request was proposed for at its last step, that alone lands on the first
+                # rejected draft, but its tokens may have moved on further since the proposal
+                # (test_draft_cache_follows_the_accepted_tokens).
                 start = state.num_cached + num_matching(written, tokens)
                 starts[i] = min(start, num_tokens - 1)
             tables[i] = inputs.block_table[row, : inputs.num_blocks[row]].tolist()
