@@ -172,8 +172,9 @@ def llama_isa_options() -> list[str]:
     """CMake options for llama.cpp's instruction sets: ``-march=native``, except on a CPU with
     AMX, where ggml's AMX matmul died with SIGILL (``tilezero`` in its Q4_1 kernel, measured
     on an AMX Xeon VM on 2026-11-30), so every other set the CPU has is named instead."""
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    from kiln.platforms import cpu_flags
+
+    flags = cpu_flags()
     if "amx_tile" not in flags:
         return ["-DGGML_NATIVE=ON"]
     chosen = [opt for opt, need in _GGML_ISA.items() if all(flag in flags for flag in need)]

@@ -25,28 +25,30 @@ def test_machine_names():
 
 
 def test_features_from_a_cpuinfo_file(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
+    def features(text: str) -> dict[str, bool]:
+        # Kiln reads a cpuinfo file once per path: each version gets its own.
+        path = tmp_path / f"cpuinfo{len(list(tmp_path.iterdir()))}"
+        path.write_text(text)
+        return cpu_features(str(path))
+
+    assert features(
         "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512vl\n\n"
         "processor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512vl\n"
-    )
-    assert cpu_features(str(cpuinfo)) == {
+    ) == {
         "avx2": True,
         "avx512": True,
         "avx512_bf16": False,
         "amx": False,
     }
     # AMX needs its tiles and their bf16 multiply; AVX2 without FMA is not the AVX2 kernels need.
-    cpuinfo.write_text("flags\t\t: avx2 amx_tile avx512_bf16\n")
-    assert cpu_features(str(cpuinfo)) == {
+    assert features("flags\t\t: avx2 amx_tile avx512_bf16\n") == {
         "avx2": False,
         "avx512": False,
         "avx512_bf16": True,
         "amx": False,
     }
     # AVX-512 here means the foundation plus the byte/word and vector-length extensions.
-    cpuinfo.write_text("flags\t\t: avx2 fma avx512f avx512vl\n")
-    assert cpu_features(str(cpuinfo))["avx512"] is False
+    assert features("flags\t\t: avx2 fma avx512f avx512vl\n")["avx512"] is False
     assert not any(cpu_features(str(tmp_path / "missing")).values())
 
 

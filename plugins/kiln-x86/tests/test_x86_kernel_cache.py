@@ -43,3 +43,34 @@ def test_a_changed_shared_header_names_a_new_build(tmp_path) -> None:
     before = kernels.extension_name("k", source)
     header.write_text("inline int f() { return 2; }\n")
     assert kernels.extension_name("k", source) != before
+
+
+def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:
+    """Each build hashes its source and the headers it includes, transitively: a change to a
+    header that one kernel alone includes rebuilds that kernel, not every other (minutes each)."""
+    (tmp_path / "a.cpp").write_text('#include <vector>\n#include "a.h"\nint a() { return f(); }\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#  include "common.h"\n')
+    (tmp_path / "common.h").write_text("inline int f() { return 1; }\n")
+    (tmp_path / "b.cpp").write_text('#include "b.h"\n// #include "common.h" (a comment)\n')
+    (tmp_path / "b.h").write_text("inline int g() { return 1; }\n")
+
+    def names() -> tuple[str, str]:
+        return (
+            kernels.extension_name("a", tmp_path / "a.cpp"),
+            kernels.extension_name("b", tmp_path / "b.cpp"),
+        )
+
+    a, b = names()
+    (tmp_path / "common.h").write_text("inline int f() { return 2; }\n")  # a's, through a.h
+    a2, b2 = names()
+    assert a2 != a and b2 == b
+    (tmp_path / "b.h").write_text("inline int g() { return 2; }\n")  # b's alone
+    a3, b3 = names()
+    assert a3 == a2 and b3 != b2
+    (tmp_path / "unused.h").write_text("int h();\n")  # nobody's
+    assert names() == (a3, b3)
+    assert kernels.included_files(tmp_path / "a.cpp") == [
+        tmp_path / "a.cpp",
+        tmp_path / "a.h",
+        tmp_path / "common.h",
+    ]

@@ -9,6 +9,7 @@ ops' dispatch at its device type. Nothing below the lifecycle selects: reading
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,28 @@ def worker_cpus(config: KilnConfig, cpus: Sequence[int]) -> list[int]:
     return cpus[start : start + size + (index < extra)]
 
 
+CPUINFO_PATH = "/proc/cpuinfo"
+
+
+@functools.cache
+def cpu_flags(cpuinfo: str = CPUINFO_PATH) -> frozenset[str]:
+    """The instruction-set flags Linux lists for this machine's CPU: the ``flags`` line of the
+    first processor in ``cpuinfo`` (``avx512_bf16``, ``amx_bf16``, ...). Empty where the file
+    cannot be read or has no such line (another OS; ARM names its line ``Features``).
+
+    Read once per path and process: a machine's flags do not change while it runs (a test that
+    writes a cpuinfo file of its own writes each version to another path).
+    """
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def __getattr__(name: str) -> Any:
     if name == "current_platform":
         if _selected is None:
@@ -77,8 +100,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CPUINFO_PATH",
     "PLATFORM_API_VERSION",
     "Platform",
+    "cpu_flags",
     "current_platform",
     "process_role",
     "set_current_platform",

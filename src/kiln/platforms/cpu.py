@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.platforms import process_role, worker_cpus
+from kiln.platforms import cpu_flags, process_role, worker_cpus
 from kiln.platforms.interface import Platform
 from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 
@@ -123,15 +123,7 @@ def _check_batch_invariant(config: KilnConfig) -> None:
 
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), per /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"avx512_bf16", "amx_bf16"} & flags)
-    except OSError:
-        pass
-    return False
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def default_num_threads(config: KilnConfig) -> int:

@@ -26,13 +26,12 @@ guarantees of its API; ``tests/platforms/test_cpu_batch_invariant.py`` checks th
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from kiln.model_executor.custom_op import register_impl
-from kiln.platforms import cpu_ops
+from kiln.platforms import cpu_flags, cpu_ops
 
 PROVIDER = "onednn_batch_invariant"
 
@@ -40,18 +39,10 @@ AMX_ROW_TILE = 128
 """The most rows one oneDNN call gets in this mode on a CPU with AMX (the measured limit above)."""
 
 
-@functools.cache
 def row_tile() -> int:
     """Rows per oneDNN call in this mode: ``AMX_ROW_TILE`` where /proc/cpuinfo lists AMX-BF16,
     else 1 (see the module docstring)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(
-                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
-            )
-    except OSError:
-        flags = []
-    return AMX_ROW_TILE if "amx_bf16" in flags else 1
+    return AMX_ROW_TILE if "amx_bf16" in cpu_flags() else 1
 
 
 def _tiled(x: torch.Tensor, module: torch.nn.Module, weight: torch.Tensor, bias: Any) -> Any:

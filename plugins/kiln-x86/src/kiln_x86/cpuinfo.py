@@ -2,14 +2,15 @@
 
 Contract: ``is_x86_64()`` says whether this is an x86-64 machine; ``cpu_features()`` maps each
 feature name in ``FEATURES`` to whether ``/proc/cpuinfo`` lists all of its flags (False for every
-feature when the file cannot be read). Pure reads, no caching, no side effects.
+feature when the file cannot be read). The flags are Kiln's ``kiln.platforms.cpu_flags()``: read
+once per process, no other side effects.
 """
 
 from __future__ import annotations
 
 import platform
 
-CPUINFO_PATH = "/proc/cpuinfo"
+from kiln.platforms import cpu_flags
 
 FEATURES: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma"),
@@ -25,22 +26,11 @@ def is_x86_64(machine: str | None = None) -> bool:
     return (machine or platform.machine()).lower() in ("x86_64", "amd64")
 
 
-def cpu_flags(path: str = CPUINFO_PATH) -> set[str]:
-    """The ``flags`` of the first processor in ``path`` (empty when unreadable)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_features(path: str = CPUINFO_PATH) -> dict[str, bool]:
-    """Each feature of ``FEATURES`` -> whether every flag it needs is present."""
-    flags = cpu_flags(path)
+def cpu_features(path: str | None = None) -> dict[str, bool]:
+    """Each feature of ``FEATURES`` -> whether every flag it needs is listed, in this machine's
+    /proc/cpuinfo or in the cpuinfo file ``path``."""
+    flags = cpu_flags() if path is None else cpu_flags(path)
     return {name: set(needed) <= flags for name, needed in FEATURES.items()}
 
 
-__all__ = ["CPUINFO_PATH", "FEATURES", "cpu_features", "cpu_flags", "is_x86_64"]
+__all__ = ["FEATURES", "cpu_features", "is_x86_64"]

@@ -40,8 +40,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kiln.model_executor.custom_op import is_capturing
+from kiln.platforms import cpu_flags
 from kiln_x86 import kernels
-from kiln_x86.cpuinfo import cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "x86_gemv.cpp"
 TILE = 16

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -67,15 +68,36 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+"""A quoted ``#include`` line: a file of ``csrc/`` (``<...>`` ones are the toolchain's)."""
+
+
+def included_files(source: Path) -> list[Path]:
+    """``source`` and every file it includes with ``#include "..."``, transitively, each once:
+    ``source`` first, then the headers by path. A header is looked up beside the file that
+    includes it (where the compiler looks first); one not there is left to the compiler. Every
+    such line counts, in an ``#if`` or not, so a build is never named after less than it
+    compiles."""
+    found = {source}
+    pending = [source]
+    while pending:
+        path = pending.pop()
+        for name in INCLUDE.findall(path.read_bytes()):
+            header = path.parent / name.decode()
+            if header not in found and header.is_file():
+                found.add(header)
+                pending.append(header)
+    return [source, *sorted(found - {source})]
+
+
 def extension_name(
     stem: str = "kiln_x86_ops", source: Path = SOURCE, cflags: list[str] = CFLAGS
 ) -> str:
-    """``<stem>_<isa>_<hash of source, headers and flags>``: one build per CPU kind and source
-    (a change to a shared header in ``csrc/`` rebuilds every kernel)."""
+    """``<stem>_<isa>_<hash of source, the headers it includes and flags>``: one build per CPU
+    kind and source (a header's change rebuilds the kernels that include it, and only those)."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    data = source.read_bytes() + headers + " ".join(cflags).encode()
-    digest = hashlib.sha256(data).hexdigest()[:10]
+    data = b"".join(path.read_bytes() for path in included_files(source))
+    digest = hashlib.sha256(data + " ".join(cflags).encode()).hexdigest()[:10]
     return f"{stem}_{isa}_{digest}"
 
 

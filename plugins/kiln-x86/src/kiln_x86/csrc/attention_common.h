@@ -18,20 +18,32 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (scores minus their running max), branch-free so that loops of it vectorize:
 // x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error below
-// 2e-7, about float32's rounding), times 2^n built in the exponent bits. Below -87 it returns 0,
-// as it does for -inf (a masked score).
-inline float exp_nonpositive(float x) {
-  const bool underflow = !(x > -87.0f);
-  x = underflow ? 0.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split: exact n * hi
-  float p = 1.0f / 720.0f;
+// 2e-7, about float32's rounding), times 2^n built in the exponent bits. Below kExpMin it returns
+// 0, as it does for -inf (a masked score). Written once for a float and for 16 lanes (vf16):
+// exp_nonpositive and exp_nonpositive16 differ only in how they round n (see the latter).
+constexpr float kExpMin = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // ln2 = kLn2Hi - kLn2Lo, split so that n * kLn2Hi is exact
+constexpr float kLn2Lo = 2.12194440e-4f;
+
+// e^r for r = x - n ln2, where T is float or vf16.
+template <typename T>
+inline T exp_reduced(T x, T n) {
+  const T r = (x - n * kLn2Hi) + n * kLn2Lo;
+  T p = T{} + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+inline float exp_nonpositive(float x) {
+  const bool underflow = !(x > kExpMin);
+  x = underflow ? 0.0f : x;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float p = exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -114,19 +126,13 @@ inline vf16 sum_lanes16(const vf16* a) {
                                  29, 31);
 }
 
-// exp_nonpositive on 16 lanes (rounding n to nearest with the 1.5 * 2^23 trick instead of floor).
+// exp_nonpositive on 16 lanes (rounding n to nearest with the 1.5 * 2^23 trick instead of floor:
+// at a tie, r = +-ln2 / 2, the two may take neighbouring n, equally accurate but not the same bits).
 inline vf16 exp_nonpositive16(vf16 x) {
-  const vi32x16 in_range = x > splat(-87.0f);
+  const vi32x16 in_range = x > splat(kExpMin);
   x = in_range ? x : splat(0.0f);
-  const vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const vf16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  vf16 p = splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const vf16 n = (x * kLog2e + 12582912.0f) - 12582912.0f;
+  const vf16 p = exp_reduced(x, n);
   const vi32x16 bits = (__builtin_convertvector(n, vi32x16) + 127) << 23;
   vf16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
