@@ -14,12 +14,12 @@ are float32 for float32 and bfloat16 caches.
 The metadata is the core's tensors, made contiguous int32 once per step; a request whose new
 tokens are all generated ones (a speculative step's verification) is attended as one-token decodes
 (``rows_as_decodes``), so that every generated token's row gets the bits of a plain decode step,
-and greedy speculation the tokens and logprobs of no speculation (with one model thread: with
-more, the kernel splits long decodes over the context by the step's size). Where the kernels
-cannot be built (no compiler) the backend logs it once and runs the reference CPU backend
+and greedy speculation the tokens and logprobs of no speculation. A decode's rounding depends on
+its own context length only, not on the thread count or the step's other requests. Where the
+kernels cannot be built (no compiler) the backend logs it once and runs the reference CPU backend
 instead. Float16 models and batch-invariant mode keep the reference backends (the platform names
-them): the kernel handles float32 and bfloat16, and it splits long decodes over the context by
-batch size, which batch invariance forbids.
+them): the kernel handles float32 and bfloat16, and its prefill tiles are not held to batch
+invariance (only a decode's independence of the step is tested).
 """
 
 from __future__ import annotations
