@@ -13,6 +13,7 @@ further off).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import ModuleType
 
@@ -287,3 +288,66 @@ def test_portable_build_without_avx512(dtype, portable_kernels) -> None:
     contexts = [(0, 1), (15, 1), (16, 1), (200, 1), (33, 17), (0, 9)]
     check_against_reference(contexts, dtype=dtype, kernels=portable_kernels)
     check_against_reference([(40, 1), (30, 1)], 4, 4, dtype=dtype, kernels=portable_kernels)
+
+
+def with_prompts(
+    common: CommonAttentionMetadata, prompt_lens: list[int]
+) -> CommonAttentionMetadata:
+    """``common`` with each request's prompt length given, as the model runner gives it."""
+    return dataclasses.replace(
+        common, num_prompt_tokens=torch.tensor(prompt_lens, dtype=torch.int32)
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("context", [100, 255, 256, 500, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_generated_rows_equal_the_same_rows_decoded_one_by_one(context, dtype, threads) -> None:
+    """A speculative step's verification (5 new rows of one request past its prompt, beside
+    another decode) gives every row exactly what a decode step at that row's position gives, bit
+    for bit, on any thread count: greedy speculation then keeps the tokens of no speculation in
+    bfloat16 too. (At 2 threads a plain decode of a long context is split over it, a step of 6
+    decodes was not: a decode's split must not depend on the step.)"""
+    rows = 5
+    cache, common, (q, k, v) = make_step(
+        [(context, rows), (37, 1)], 9, 3, dtype=dtype, seed=context
+    )
+    common = with_prompts(common, [context - 7, 20])
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = run_step(X86AttentionBackend, cache.clone(), common, (q, k, v), 9, 3, 64)
+        one_by_one = cache.clone()
+        table = common.block_table[0, : -(-(context + rows) // 16)].tolist()
+        for j in range(rows):
+            step = CommonAttentionMetadata.from_block_tables([1], [context + j], [table], 16)
+            step = with_prompts(step, [context - 7])
+            qkv_j = (q[j : j + 1], k[j : j + 1], v[j : j + 1])
+            out = run_step(X86AttentionBackend, one_by_one, step, qkv_j, 9, 3, 64)
+            assert torch.equal(out[0], together[j]), f"row {j}"
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize(
+    "prompt_len,cached",
+    # (37, 32): the chat test's repeated question; then tails past one 64-row tile
+    [(37, 32), (37, 16), (100, 96), (20, 16), (100, 32), (200, 16)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prefix_cache_hit_rows_equal_the_whole_prompts(prompt_len, cached, dtype) -> None:
+    """A prefix-cache hit's remaining prompt rows (a few, as a verification has) get the bits the
+    whole prompt's prefill gave them: a repeated greedy question gets the same answer. They stay
+    prefill rows: computed as decodes, they rounded differently, and a near-tie first token of a
+    repeated chat question flipped ("Paris" -> "L'Étoile")."""
+    cache, common, (q, k, v) = make_step([(0, prompt_len)], 9, 3, dtype=dtype, seed=prompt_len)
+    whole_cache = cache.clone()
+    whole = run_step(
+        X86AttentionBackend, whole_cache, with_prompts(common, [prompt_len]), (q, k, v), 9, 3, 64
+    )
+    table = common.block_table[0].tolist()
+    hit = CommonAttentionMetadata.from_block_tables([prompt_len - cached], [cached], [table], 16)
+    hit = with_prompts(hit, [prompt_len])
+    new = (q[cached:], k[cached:], v[cached:])
+    rows = run_step(X86AttentionBackend, whole_cache.clone(), hit, new, 9, 3, 64)
+    assert torch.equal(rows, whole[cached:])

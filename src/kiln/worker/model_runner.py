@@ -373,6 +373,7 @@ class ModelRunner(ModelRunnerBase):
             num_actual_tokens=num_tokens,
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
+            num_prompt_tokens=torch.from_numpy(batch.num_prompt_tokens[rows_arr].astype(np.int32)),
         )
         return (
             torch.from_numpy(input_ids).to(self.device),

@@ -11,11 +11,15 @@ prefix-cache hit, a later chunk of a long prompt) attends over the cached blocks
 tokens with the causal offset. Grouped-query heads share each K/V read; softmax and accumulation
 are float32 for float32 and bfloat16 caches.
 
-The metadata is the core's tensors, made contiguous int32 once per step. Where the kernels cannot
-be built (no compiler) the backend logs it once and runs the reference CPU backend instead.
-Float16 models and batch-invariant mode keep the reference backends (the platform names them):
-the kernel handles float32 and bfloat16, and it splits long decodes over the context by batch
-size, which batch invariance forbids.
+The metadata is the core's tensors, made contiguous int32 once per step; a request whose new
+tokens are all generated ones (a speculative step's verification) is attended as one-token decodes
+(``rows_as_decodes``), so that every generated token's row gets the bits of a plain decode step,
+and greedy speculation the tokens and logprobs of no speculation. A decode's rounding depends on
+its own context length only, not on the thread count or the step's other requests. Where the
+kernels cannot be built (no compiler) the backend logs it once and runs the reference CPU backend
+instead. Float16 models and batch-invariant mode keep the reference backends (the platform names
+them): the kernel handles float32 and bfloat16, and its prefill tiles are not held to batch
+invariance (only a decode's independence of the step is tested).
 """
 
 from __future__ import annotations
@@ -77,13 +81,56 @@ class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
         if self.reference is not None:
             return self.reference.build(common)
         n = common.num_reqs
+        query_start_loc = common.query_start_loc[: n + 1].to(torch.int32)
+        seq_lens = common.seq_lens[:n].to(torch.int32)
+        block_table = common.block_table[:n].to(torch.int32)
+        if common.num_prompt_tokens is not None:
+            is_generated = common.num_computed_tokens[:n] >= common.num_prompt_tokens[:n]
+            query_start_loc, seq_lens, block_table = rows_as_decodes(
+                query_start_loc, seq_lens, block_table, is_generated
+            )
         return X86AttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].to(torch.int64),
-            query_start_loc=common.query_start_loc[: n + 1].to(torch.int32).contiguous(),
-            seq_lens=common.seq_lens[:n].to(torch.int32).contiguous(),
-            block_table=common.block_table[:n].to(torch.int32).contiguous(),
+            query_start_loc=query_start_loc.contiguous(),
+            seq_lens=seq_lens.contiguous(),
+            block_table=block_table.contiguous(),
         )
+
+
+def rows_as_decodes(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    is_generated: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's requests with each request of several new tokens that are all generated ones
+    (``is_generated`` [num_reqs] bool: a speculative step's verification, 1 + k rows) split into
+    one-token requests: same block table, context ending at each row's own position.
+
+    The kernel then computes every such row exactly as the decode step at that position would
+    (attention is the one layer whose rounding depends on a request's row count: several rows
+    take the tile path, one the decode kernel), so greedy speculation gives the tokens and
+    logprobs of no speculation bit for bit. Prompt rows are left as they are: they are computed
+    as the prompt's prefill computes them, so a prefix-cache hit's few remaining prompt rows get
+    the bits of the cold prefill's (computing them as decodes flipped a near-tie first token of
+    a repeated chat question, "Paris" -> "L'Étoile"). Tokens keep their order, so queries,
+    outputs and slots are unchanged. Int32 CPU tensors in and out.
+    """
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_reqs]
+    split = (q_lens > 1) & is_generated
+    if not bool(split.any()):
+        return query_start_loc, seq_lens, block_table
+    repeats = torch.where(split, q_lens, 1)
+    owner = torch.repeat_interleave(torch.arange(len(q_lens)), repeats)  # [new num_reqs]
+    first = torch.cumsum(repeats, 0) - repeats  # each request's first new row
+    row = torch.arange(len(owner), dtype=torch.int32) - first[owner]  # row within its request
+    is_split = split[owner]
+    new_q_lens = torch.where(is_split, 1, q_lens[owner])
+    new_seq_lens = torch.where(is_split, seq_lens[owner] - q_lens[owner] + row + 1, seq_lens[owner])
+    new_start_loc = torch.zeros(len(owner) + 1, dtype=torch.int32)
+    torch.cumsum(new_q_lens, 0, out=new_start_loc[1:])
+    return new_start_loc, new_seq_lens.to(torch.int32), block_table[owner]
 
 
 class X86AttentionImpl(AttentionImpl[Any]):

@@ -163,8 +163,8 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def get_attn_backend_cls(cls, config: KilnConfig) -> str:
-        # Batch-invariant mode keeps the reference's backend (the kernel splits long decodes by
-        # batch size), and float16 too (the kernel runs float32 and bfloat16).
+        # Batch-invariant mode keeps the reference's backend (the kernel's prefill tiles are not
+        # held to batch invariance), and float16 too (the kernel runs float32 and bfloat16).
         if config is not None and (config.model.batch_invariant or config.model.dtype == "float16"):
             return super().get_attn_backend_cls(config)
         return "kiln_x86.attention.X86AttentionBackend"

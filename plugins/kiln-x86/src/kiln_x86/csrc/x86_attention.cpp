@@ -14,11 +14,16 @@
 // the blocks each keeps a flash-style online softmax (running max and sum per row) in float32; a
 // row sees keys at positions <= its own (the causal offset of a request with a cached prefix:
 // position = num_computed + index in the request's new tokens), and with a sliding window only
-// the last `sliding_window` of them. Decodes of long contexts with too few (request, kv head)
-// pairs to keep the threads busy are split over the context into spans of kSplitTokens, merged
-// afterwards by their running max and sum. Items are handed to torch's threads one at a time,
-// largest first, so that long items do not leave threads idle; a small step (kMinParallelCost)
-// runs on the calling thread.
+// the last `sliding_window` of them. A decode of a context longer than kSplitTokens is split over
+// it into spans of kSplitTokens (items the threads share), merged afterwards by their running max
+// and sum: always, whatever the thread count and the step's other requests, so that a decode's
+// bits depend on its own context only (greedy speculative decoding, which verifies its drafts as
+// one-token decodes, then gives the tokens of plain decoding on any number of threads). On one
+// thread, where it buys nothing, it costs a decode of a longer context some of its attention time
+// (benchmarks/attention_bench.py --layers 30, bf16: 16 x 512 and 1 x 512 about 8%, 1 x 1024 11%;
+// contexts up to 256 are not split).
+// Items are handed to torch's threads one at a time, largest first, so that long items do not
+// leave threads idle; a small step (kMinParallelCost) runs on the calling thread.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -291,18 +296,17 @@ void write_rows(const Problem& p, const WorkItem& it, const Scratch& sc, T* out)
 }
 
 // The step's items, largest first; `num_partials` counts the split decodes' parts, `parallel`
-// says whether the step is worth torch's threads (else it runs on the calling thread).
+// says whether the step is worth torch's threads (else it runs on the calling thread). Whether and
+// where a decode is split depends on its own context length only, never on the step's other
+// requests or the thread count: the split changes the rounding.
 std::vector<WorkItem> plan(const Problem& p, int64_t num_reqs, int64_t num_threads,
                            int64_t* num_partials, bool* parallel) {
-  int64_t num_decodes = 0, total_cost = 0;
+  int64_t total_cost = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t query_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
-    num_decodes += query_len == 1;
     total_cost += query_len * p.seq_lens[r] * p.num_heads;
   }
   *parallel = num_threads > 1 && total_cost >= kMinParallelCost;
-  // Split decodes over their context when (request, kv head) pairs are too few for the threads.
-  const bool split = *parallel && num_decodes * p.num_kv_heads < 4 * num_threads;
   const int64_t span = std::max<int64_t>(1, kSplitTokens / p.block_size) * p.block_size;
   std::vector<WorkItem> items;
   int32_t partial = 0;
@@ -312,7 +316,7 @@ std::vector<WorkItem> plan(const Problem& p, int64_t num_reqs, int64_t num_threa
     if (end <= start) continue;
     const int32_t num_computed = seq_len - (end - start);
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-      if (end - start == 1 && split && seq_len > span) {
+      if (end - start == 1 && seq_len > span) {
         for (int32_t c = 0; c < seq_len; c += span) {
           const int32_t c_end = std::min<int32_t>(seq_len, c + span);
           items.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h), start, end, c, c_end,

@@ -59,6 +59,11 @@ class CommonAttentionMetadata:
     """Tokens that belong to requests; the model's input may be padded past this."""
     max_query_len: int
     max_seq_len: int
+    num_prompt_tokens: torch.Tensor | None = None
+    """[B] int32: each request's prompt length; its tokens from there on are generated ones (a
+    decode's, a speculative step's drafts). A backend that computes a row differently by the
+    shape of the step may use it to compute generated tokens' rows as a decode step would (see
+    kiln-x86's attention). None where the caller does not say (a draft model's steps)."""
 
     @classmethod
     def from_block_tables(
