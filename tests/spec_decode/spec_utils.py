@@ -88,11 +88,11 @@ def grammar_params() -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=60, structured_outputs=g) for g in GRAMMARS]
 
 
-def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | None]]) -> None:
-    """``outputs``: the ``results`` of ``GRAMMAR_PROMPTS`` with ``grammar_params()`` in a batch
-    with speculating requests. Each is complete and obeys its grammar, and the same requests
-    alone give the same outputs while they speculate (drafts verified, some accepted)."""
-    for grammar, (_, text, reason) in zip(GRAMMARS, outputs, strict=True):
+def check_obeys_grammars(
+    grammars: list[StructuredOutputsParams], outputs: list[tuple[list[int], str, str | None]]
+) -> None:
+    """Each of ``outputs`` (``results``) is complete and obeys its grammar."""
+    for grammar, (_, text, reason) in zip(grammars, outputs, strict=True):
         assert reason == "stop", text
         if grammar.json is not None:
             jsonschema_rs.validate(grammar.json, json.loads(text))
@@ -100,6 +100,13 @@ def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | No
             assert re.fullmatch(grammar.regex, text), text
         else:
             assert grammar.choice is not None and text in grammar.choice, text
+
+
+def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | None]]) -> None:
+    """``outputs``: the ``results`` of ``GRAMMAR_PROMPTS`` with ``grammar_params()`` in a batch
+    with speculating requests. Each is complete and obeys its grammar, and the same requests
+    alone give the same outputs while they speculate (drafts verified, some accepted)."""
+    check_obeys_grammars(GRAMMARS, outputs)
     before = spec_counts(llm)
     assert results(llm, GRAMMAR_PROMPTS, grammar_params()) == outputs
     drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counts(llm), before, strict=True))

@@ -3,7 +3,7 @@ share the default model's tokenizer: greedy output token for token as without sp
 another model as the draft (some drafts accepted) and with the target as its own draft (nearly
 all accepted, sampled requests too, which needs the draft's probabilities); a batch that mixes
 greedy, sampled and grammar-bound requests (JSON schema, regex, choice: valid, speculating, the
-drafts their grammars forbid cut);
+drafts their grammars forbid cut; sampled ones valid too);
 stop strings, ``max_tokens`` and prefix-cache hits; tensor parallelism (TP=2); preemption while
 speculating; the sampled distribution (with its control); a draft with another vocabulary
 refused; and the proposer's draft cache against the draft model run on its own: in step with the
@@ -16,8 +16,10 @@ import pytest
 import torch
 from spec_utils import (
     GRAMMAR_PROMPTS,
+    GRAMMARS,
     AlwaysAccept,
     check_grammar_outputs,
+    check_obeys_grammars,
     chi2_critical_001,
     grammar_params,
     homogeneity,
@@ -155,6 +157,22 @@ def test_mixed_batch_of_greedy_sampled_and_grammar_requests(
     assert got[1][2] == "length" and len(got[1][0]) == 24
     assert _since(spec, before)[2] > 0
     check_grammar_outputs(spec, got[3:])
+
+
+def test_sampled_grammar_requests_obey_their_grammars(spec: LLM) -> None:
+    """Sampled requests drafted from the draft's own distribution (unmasked): the rejection
+    sampler verifies against the masked target at every position, so each output obeys its
+    grammar."""
+    seeds = range(4)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=grammar)
+        for seed in seeds
+        for grammar in GRAMMARS
+    ]
+    before = spec_counts(spec)
+    got = results(spec, GRAMMAR_PROMPTS * len(seeds), params)
+    check_obeys_grammars(GRAMMARS * len(seeds), got)
+    assert _since(spec, before)[2] > 0
 
 
 def test_tp2_greedy_output_is_the_same(target: str, draft: str, plain: LLM) -> None:
