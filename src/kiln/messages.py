@@ -144,10 +144,13 @@ class SchedulerOutput:
     """Requests finished or preempted since the last step: the runner drops their state."""
     structured_output_request_ids: list[str] = field(default_factory=list)
     """Structured-output requests that sample this step, in the rows' order of
-    ``grammar_bitmask``."""
+    ``grammar_bitmask``: one row each, or ``1 + k`` consecutive rows for a request verifying
+    ``k`` drafts (``scheduled_spec_decode_tokens``), one per logits position."""
     grammar_bitmask: np.ndarray | None = None
-    """[len(structured_output_request_ids), ceil(V / 32)] int32: bit ``t % 32`` of word
-    ``t // 32`` set when token ``t`` may be sampled next (the runner masks the rest)."""
+    """[sum over structured_output_request_ids of 1 + num drafts, ceil(V / 32)] int32: bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` may be sampled there (the runner masks
+    the rest). A request's row ``j`` is what its grammar allows after its tokens and its first
+    ``j`` drafts."""
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: request id -> the draft tokens it verifies this step (the last
     ``len(drafts)`` of its scheduled tokens); requests without drafts are absent."""

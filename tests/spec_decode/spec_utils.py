@@ -1,6 +1,7 @@
 """Helpers of the speculative-decoding tests: tiny random models that share the default model's
-tokenizer, grammar-bound requests and their check, sampling many seeded requests, and a
-chi-square test of homogeneity with an always-accepting rejection sampler as its control."""
+tokenizer, grammar-bound requests, their check and a record of the drafts their grammars cut,
+sampling many seeded requests, and a chi-square test of homogeneity with an always-accepting
+rejection sampler as its control."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pathlib
 import re
 
 import jsonschema_rs
+import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import StructuredOutputsParams
+from kiln.scheduler import scheduler
 from kiln.spec_decode.interface import RejectionOutput
 from kiln.spec_decode.rejection_sampler import RejectionSampler
 from kiln.testing.models import save_tiny_model
@@ -72,7 +75,12 @@ GRAMMARS = [
     StructuredOutputsParams(choice=["yes", "no", "maybe"]),
 ]
 """A JSON schema, a regex and a choice, each bounded: any model completes them in 60 tokens."""
-GRAMMAR_PROMPTS = ["Describe a person as JSON.", "Repeat: abab end", "Is the sky green? Answer:"]
+GRAMMAR_PROMPTS = [
+    'Person: {"name": "Ann", "age": 31, "city": "Rome"}. Describe a person as JSON.',
+    "Repeat: abcdabcd end. Again: abcdabcd end. Again:",
+    "Is the sky green? Answer:",
+]
+"""The first two hold text to copy: an ngram proposer drafts for them."""
 
 
 def grammar_params() -> list[SamplingParams]:
@@ -80,11 +88,11 @@ def grammar_params() -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=60, structured_outputs=g) for g in GRAMMARS]
 
 
-def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | None]]) -> None:
-    """``outputs``: the ``results`` of ``GRAMMAR_PROMPTS`` with ``grammar_params()`` in a batch
-    with speculating requests. Each is complete and obeys its grammar, and the same requests
-    alone give the same outputs and draft nothing (a request with a grammar never speculates)."""
-    for grammar, (_, text, reason) in zip(GRAMMARS, outputs, strict=True):
+def check_obeys_grammars(
+    grammars: list[StructuredOutputsParams], outputs: list[tuple[list[int], str, str | None]]
+) -> None:
+    """Each of ``outputs`` (``results``) is complete and obeys its grammar."""
+    for grammar, (_, text, reason) in zip(grammars, outputs, strict=True):
         assert reason == "stop", text
         if grammar.json is not None:
             jsonschema_rs.validate(grammar.json, json.loads(text))
@@ -92,9 +100,32 @@ def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | No
             assert re.fullmatch(grammar.regex, text), text
         else:
             assert grammar.choice is not None and text in grammar.choice, text
+
+
+def check_grammar_outputs(llm: LLM, outputs: list[tuple[list[int], str, str | None]]) -> None:
+    """``outputs``: the ``results`` of ``GRAMMAR_PROMPTS`` with ``grammar_params()`` in a batch
+    with speculating requests. Each is complete and obeys its grammar, and the same requests
+    alone give the same outputs while they speculate (drafts verified, some accepted)."""
+    check_obeys_grammars(GRAMMARS, outputs)
     before = spec_counts(llm)
     assert results(llm, GRAMMAR_PROMPTS, grammar_params()) == outputs
-    assert spec_counts(llm) == before
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counts(llm), before, strict=True))
+    assert drafts > 0 and accepted > 0, (drafts, draft_tokens, accepted)
+
+
+def record_draft_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """A list that gets ``(proposed, kept)`` for every check of a structured request's drafts
+    against its grammar (the offline ``LLM`` runs its engine core in this process)."""
+    checks: list[tuple[int, int]] = []
+    valid_drafts = scheduler.valid_drafts
+
+    def recording(matcher, drafts: list[int]) -> list[int]:
+        kept = valid_drafts(matcher, drafts)
+        checks.append((len(drafts), len(kept)))
+        return kept
+
+    monkeypatch.setattr(scheduler, "valid_drafts", recording)
+    return checks
 
 
 def spec_counts(llm: LLM) -> tuple[int, int, int]:

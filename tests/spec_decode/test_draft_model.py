@@ -2,7 +2,8 @@
 share the default model's tokenizer: greedy output token for token as without speculation, with
 another model as the draft (some drafts accepted) and with the target as its own draft (nearly
 all accepted, sampled requests too, which needs the draft's probabilities); a batch that mixes
-greedy, sampled and grammar-bound requests (JSON schema, regex, choice: valid, drafting nothing);
+greedy, sampled and grammar-bound requests (JSON schema, regex, choice: valid, speculating, the
+drafts their grammars forbid cut; sampled ones valid too);
 stop strings, ``max_tokens`` and prefix-cache hits; tensor parallelism (TP=2); preemption while
 speculating; the sampled distribution (with its control); a draft with another vocabulary
 refused; and the proposer's draft cache against the draft model run on its own: in step with the
@@ -15,11 +16,14 @@ import pytest
 import torch
 from spec_utils import (
     GRAMMAR_PROMPTS,
+    GRAMMARS,
     AlwaysAccept,
     check_grammar_outputs,
+    check_obeys_grammars,
     chi2_critical_001,
     grammar_params,
     homogeneity,
+    record_draft_checks,
     results,
     sample_sequences,
     save_tiny_repeater,
@@ -134,20 +138,41 @@ def test_seeded_sampled_requests_repeat(spec: LLM) -> None:
     assert results(spec, prompts, params) == first
 
 
-def test_mixed_batch_of_greedy_sampled_and_grammar_requests(plain: LLM, spec: LLM) -> None:
+def test_mixed_batch_of_greedy_sampled_and_grammar_requests(
+    plain: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     # A JSON schema, a regex and a choice (spec_utils.GRAMMARS) among speculating requests.
     prompts = [*_prompts(plain, 3), *GRAMMAR_PROMPTS]
     params = [greedy, sampled, greedy, *grammar_params()]
+    checks = record_draft_checks(monkeypatch)
     before = spec_counts(spec)
     got = results(spec, prompts, params)
     expected = results(plain, prompts, params)
-    # Greedy and grammar-bound requests (which do not speculate) as without speculation.
+    # The random draft drafts what the grammars forbid: cut before verification.
+    assert any(kept < proposed for proposed, kept in checks), checks
+    # Greedy and grammar-bound requests as without speculation.
     assert [got[i] for i in (0, 2, 3, 4, 5)] == [expected[i] for i in (0, 2, 3, 4, 5)]
     assert got[1][2] == "length" and len(got[1][0]) == 24
     assert _since(spec, before)[2] > 0
     check_grammar_outputs(spec, got[3:])
+
+
+def test_sampled_grammar_requests_obey_their_grammars(spec: LLM) -> None:
+    """Sampled requests drafted from the draft's own distribution (unmasked): the rejection
+    sampler verifies against the masked target at every position, so each output obeys its
+    grammar."""
+    seeds = range(4)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=grammar)
+        for seed in seeds
+        for grammar in GRAMMARS
+    ]
+    before = spec_counts(spec)
+    got = results(spec, GRAMMAR_PROMPTS * len(seeds), params)
+    check_obeys_grammars(GRAMMARS * len(seeds), got)
+    assert _since(spec, before)[2] > 0
 
 
 def test_tp2_greedy_output_is_the_same(target: str, draft: str, plain: LLM) -> None:

@@ -1,17 +1,24 @@
 """Speculative decoding end to end (offline ``LLM``): greedy output token for token as without
 speculation, on the real default model in float32 and on a tiny random model; batches that mix
 speculating and plain requests (a prompt with nothing to look up; JSON schema, regex and choice
-grammars: their outputs valid, their requests drafting nothing); stop strings,
+grammars: their outputs valid, their requests speculating too); drafts a JSON schema forbids cut
+and the output as without speculation; stop strings,
 ``max_tokens`` and logprobs cut inside a verified run; preemption while speculating; and the
 acceptance counters the metrics read."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema_rs
 import pytest
 from spec_utils import (
     GRAMMAR_PROMPTS,
+    GRAMMARS,
+    PERSON,
     check_grammar_outputs,
     grammar_params,
+    record_draft_checks,
     results,
     save_tiny_repeater,
     spec_counts,
@@ -126,8 +133,28 @@ def test_mixed_batch_with_grammars_and_plain_requests(spec_llm: LLM, llm_f32: LL
     before = spec_counts(spec_llm)
     got = results(spec_llm, prompts, params)
     assert got == results(llm_f32, prompts, params)
-    assert spec_counts(spec_llm)[2] > before[2]  # the plain requests speculated
+    assert spec_counts(spec_llm)[2] > before[2]
     check_grammar_outputs(spec_llm, got[len(PROMPTS) :])
+
+
+def test_drafts_a_json_schema_forbids_are_cut(
+    spec_llm: LLM, llm_f32: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt's JSON has a key the schema forbids ("job"): the ngram proposer drafts it after
+    the name, the grammar cuts the drafts there, and the output is valid and the same as
+    without speculation."""
+    person = '{"name": "Ann", "job": "cook", "age": 31, "city": "Rome"}'
+    prompt = f"A person: {person}. The same person as JSON: {person}. Once more:"
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=GRAMMARS[0])
+    checks = record_draft_checks(monkeypatch)
+    before = spec_counts(spec_llm)
+    got = results(spec_llm, [prompt], params)
+    assert got == results(llm_f32, [prompt], params)
+    ((_, text, reason),) = got
+    assert reason == "stop"
+    jsonschema_rs.validate(PERSON, json.loads(text))
+    assert any(kept < proposed for proposed, kept in checks), checks
+    assert spec_counts(spec_llm)[2] > before[2]  # the drafts the schema allows were accepted
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from kiln.messages import FinishReason, ModelRunnerOutput, SchedulerOutput
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.scheduler.scheduler import Scheduler
+from kiln.structured_output.manager import valid_drafts
 from kiln.tokenizer import load_tokenizer
 
 
@@ -234,3 +235,110 @@ def test_a_prompt_that_closed_the_thinking_or_enable_in_reasoning_starts_the_gra
     assert finish["c"].finish_reason == FinishReason.STOP
     # Every token is the grammar's, the first one included.
     assert tokenizer.decode(tokens["c"][:-1], skip_special_tokens=False) in ("yes", "no")
+
+
+# -- speculative decoding: drafts checked against the grammar, a bitmask row per position --------
+
+
+def allowed_row(scheduler, request, tokens) -> np.ndarray:
+    """The bitmask row of a fresh matcher of ``request``'s grammar fed ``tokens``: what the
+    grammar allows after them (every token once it has terminated)."""
+    manager = scheduler.structured_output_manager
+    matcher = manager.make_matcher(request.grammar, request.prompt_token_ids)
+    for token_id in tokens:
+        assert matcher.accept_token(token_id)
+    bitmask = manager.allocate_bitmask(1)
+    if not matcher.is_terminated():
+        matcher.fill_bitmask(bitmask, 0)
+    return bitmask.numpy()[0]
+
+
+def drafted(so: SchedulerOutput, tokens: list[int], drafts: list[int]) -> ModelRunnerOutput:
+    """The runner emitted ``tokens`` for the step's one request and drafted ``drafts``."""
+    (req_id,) = so.num_scheduled_tokens
+    return ModelRunnerOutput([req_id], {req_id: 0}, [tokens], spec_token_ids=[drafts])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_drafts_are_cut_at_the_first_the_grammar_forbids_and_get_a_row_each(tokenizer, backend):
+    scheduler = make_scheduler(tokenizer, backend)
+    scheduler.add_request(
+        make_request(tokenizer, "r", StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2}"))
+    )
+    ab, a, one, two, three = (tokenizer.encode(t)[0] for t in ("ab", "a", "1", "2", "3"))
+    assert tokenizer.decode([ab, a, one, two, three]) == "aba123"
+    eos = tokenizer.eos_token_id
+    so = scheduler.schedule()
+    while not so.num_scheduled_tokens:  # the grammar is still compiling
+        scheduler.update_from_output(so, ModelRunnerOutput([], {}, []))
+        so = scheduler.schedule()
+    request = scheduler.requests["r"]
+
+    # "ab" is sampled; of the drafts "1", "a", "2" the grammar forbids "a": the rest goes too.
+    scheduler.update_from_output(so, drafted(so, [ab], [one, a, two]))
+    assert request.spec_token_ids == [one]
+    # The matcher is where "ab" left it: the drafts it checked are rolled back.
+    so = scheduler.schedule()
+    assert so.scheduled_spec_decode_tokens == {"r": [one]}
+    assert so.num_scheduled_tokens == {"r": 2}
+    assert so.structured_output_request_ids == ["r"]
+    assert so.grammar_bitmask.shape[0] == 2  # the position of the draft, then the bonus one
+    for j, tokens in enumerate(([ab], [ab, one])):
+        assert (so.grammar_bitmask[j] == allowed_row(scheduler, request, tokens)).all(), j
+
+    # "1" is rejected, "2" emitted instead: the matcher takes "2" only. The stop token is a draft
+    # the complete grammar allows; nothing may follow it.
+    scheduler.update_from_output(so, drafted(so, [two], [three, eos, one]))
+    assert request.output_token_ids == [ab, two]
+    assert request.spec_token_ids == [three, eos]
+    so = scheduler.schedule()
+    assert so.grammar_bitmask.shape[0] == 3
+    for j, tokens in enumerate(([ab, two], [ab, two, three], [ab, two, three, eos])):
+        assert (so.grammar_bitmask[j] == allowed_row(scheduler, request, tokens)).all(), j
+    assert (so.grammar_bitmask[2] == -1).all()  # after the stop token: never emitted
+
+    (out,) = scheduler.update_from_output(so, drafted(so, [three, eos], [])).outputs
+    assert out.finish_reason == FinishReason.STOP
+    assert tokenizer.decode(out.new_token_ids[:-1]) == "3"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_valid_drafts_leave_the_matcher_as_it_was(tokenizer, backend):
+    scheduler = make_scheduler(tokenizer, backend)
+    request = make_request(tokenizer, "r", StructuredOutputsParams(choice=["yes", "no"]))
+    scheduler.add_request(request)
+    request.grammar.result(timeout=30)
+    manager = scheduler.structured_output_manager
+    matcher = manager.make_matcher(request.grammar)
+    yes, no, eos = tokenizer.encode("yes")[0], tokenizer.encode("no")[0], tokenizer.eos_token_id
+    assert valid_drafts(matcher, [no, yes]) == [no]
+    assert valid_drafts(matcher, [yes, eos, eos]) == [yes, eos]
+    assert not matcher.is_terminated()
+    # It still starts at the beginning: "no" then the stop token, and nothing after.
+    assert (
+        manager.fill_bitmask([matcher])
+        == manager.fill_bitmask([manager.make_matcher(request.grammar)])
+    ).all()
+    assert matcher.accept_token(no) and matcher.accept_token(eos) and matcher.is_terminated()
+    assert valid_drafts(matcher, [eos]) == []
+
+
+def test_a_reasoning_matcher_rolls_back_across_the_end_of_the_thinking(tokenizer):
+    scheduler = make_scheduler(tokenizer, reasoning_parser="qwen3")
+    request = make_request(tokenizer, "r", StructuredOutputsParams(choice=["yes", "no"]))
+    scheduler.add_request(request)
+    request.grammar.result(timeout=30)
+    manager = scheduler.structured_output_manager
+    thinking = tokenizer.encode("<think>Hm.</think>", add_special_tokens=False)
+    yes, no = tokenizer.encode("yes")[0], tokenizer.encode("no")[0]
+    matcher = manager.make_matcher(request.grammar, request.prompt_token_ids)
+    for token_id in thinking[:2]:
+        assert matcher.accept_token(token_id)
+    # The rest of the thinking, then "yes": accepted as drafts, then rolled back.
+    assert valid_drafts(matcher, [*thinking[2:], yes, no]) == [*thinking[2:], yes]
+    assert not matcher.is_reasoning_ended
+    every_token = manager.allocate_bitmask(1).numpy()
+    assert (manager.fill_bitmask([matcher]) == every_token).all()
+    for token_id in thinking[2:]:
+        assert matcher.accept_token(token_id)
+    assert matcher.is_reasoning_ended and matcher.accept_token(no)

@@ -5,9 +5,11 @@ A request with ``structured_outputs`` waits in ``WAITING_FOR_GRAMMAR``, outside 
 while its grammar compiles in a thread; each ``schedule()`` first takes the ready ones out
 (``GrammarWaitlist.take_done``) and queues them, and finishes with finish reason "error" those
 whose compile failed or ran past ``structured_outputs.max_compile_seconds``, so the others are
-scheduled meanwhile. For the requests that sample in a step it fills one bitmask row each
-(``SchedulerOutput.grammar_bitmask``); ``update_from_output`` advances each request's matcher by
-its new tokens. A preempted request keeps its matcher: its output tokens stay.
+scheduled meanwhile. For the requests that sample in a step it fills one bitmask row each, or
+``1 + k`` for a request verifying ``k`` drafts (``SchedulerOutput.grammar_bitmask``);
+``update_from_output`` advances each request's matcher by its new tokens and keeps of the
+runner's drafts those its grammar allows (``valid_drafts``). A preempted request keeps its
+matcher: its output tokens stay.
 
 This module knows the requests and the grammar manager, not the scheduler's queues.
 """
@@ -89,10 +91,14 @@ def grammar_bitmask(
     manager: StructuredOutputManager,
     requests: dict[str, Request],
     num_scheduled_tokens: dict[str, int],
+    spec_tokens: dict[str, list[int]],
 ) -> tuple[list[str], np.ndarray | None]:
-    """The structured requests that sample this step, and their bitmask rows in that order."""
+    """The structured requests that sample this step, and their bitmask rows in that order: one
+    each, or ``1 + k`` for a request verifying ``k`` drafts (``spec_tokens``; see
+    ``StructuredOutputManager.fill_bitmask``)."""
     req_ids: list[str] = []
     matchers = []
+    drafts = []
     for request_id, num_tokens in num_scheduled_tokens.items():
         request = requests[request_id]
         if (
@@ -101,9 +107,10 @@ def grammar_bitmask(
         ):
             req_ids.append(request_id)
             matchers.append(request.matcher)
+            drafts.append(spec_tokens.get(request_id, []))
     if not matchers:
         return req_ids, None
-    return req_ids, manager.fill_bitmask(matchers)
+    return req_ids, manager.fill_bitmask(matchers, drafts)
 
 
 __all__ = ["GrammarWaitlist", "grammar_bitmask"]

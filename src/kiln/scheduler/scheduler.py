@@ -31,9 +31,12 @@ request ``1 + k`` tokens, its last token and ``k`` drafts (``SchedulerOutput.
 scheduled_spec_decode_tokens``), with KV slots and budget for all of them. ``k`` is cut so that
 the budget, the context and ``max_tokens`` hold even if every draft is accepted. After the step
 ``num_computed_tokens`` takes back the rejected drafts (their slots are written over later; only
-full blocks of accepted tokens are cached). A request with a grammar never speculates. With a
-draft model, each allocation also holds ``k`` lookahead slots after the scheduled tokens, where
-the draft writes the keys and values of its next drafts (``num_lookahead_tokens``, as vLLM).
+full blocks of accepted tokens are cached). A request with a grammar speculates too, as in
+vLLM: ``update_from_output`` keeps its drafts up to the first one its grammar forbids, the step
+masks each of its ``1 + k`` positions with its own bitmask row (the grammar's state after the
+drafts before it), and its matcher advances by the emitted tokens only. With a draft model,
+each allocation also holds ``k`` lookahead slots after the scheduled tokens, where the draft
+writes the keys and values of its next drafts (``num_lookahead_tokens``, as vLLM).
 
 Pipeline parallelism (``parallel.pipeline_parallel_size > 1``): batches in flight and
 micro-batches (``kiln.scheduler.pipeline``): a request in a batch in flight (``in_flight``) is
@@ -74,6 +77,7 @@ from kiln.scheduler.pipeline import InFlightBatches, input_token_ids
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.structured_output import StructuredOutputManager
+from kiln.structured_output.manager import valid_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +343,7 @@ class Scheduler(SchedulerInterface):
         if pipeline:
             pipeline.start(num_scheduled_tokens)
         grammar_req_ids, bitmask = grammar_bitmask(
-            self.structured_output_manager, self.requests, num_scheduled_tokens
+            self.structured_output_manager, self.requests, num_scheduled_tokens, spec_tokens
         )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -408,8 +412,12 @@ class Scheduler(SchedulerInterface):
             new_logprobs = logprobs.get(request_id)
             if new_logprobs is not None and len(new_logprobs.logprobs) > len(new_token_ids):
                 new_logprobs = _first_rows(new_logprobs, len(new_token_ids))
-            if not is_stopped and request.matcher is None and model_runner_output.spec_token_ids:
-                request.spec_token_ids = model_runner_output.spec_token_ids[index]
+            if not is_stopped and model_runner_output.spec_token_ids:
+                next_drafts = model_runner_output.spec_token_ids[index]
+                if request.matcher is not None and next_drafts:
+                    # The matcher has taken this step's tokens: the drafts follow them.
+                    next_drafts = valid_drafts(request.matcher, next_drafts)
+                request.spec_token_ids = next_drafts
             outputs.append(
                 EngineCoreOutput(
                     request_id,

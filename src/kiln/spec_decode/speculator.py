@@ -164,14 +164,9 @@ class Speculator:
     def propose(
         self, batch: BatchView, rows: list[int], sampled_token_ids: list[list[int]]
     ) -> list[list[int]]:
-        """The proposer's drafts for the next step, per row ([] where it emitted nothing or has a
-        grammar)."""
-        requests = batch.requests
-        indices = [
-            i
-            for i, row in enumerate(rows)
-            if sampled_token_ids[i] and requests[row].sampling_params.structured_outputs is None
-        ]
+        """The proposer's drafts for the next step, per row ([] where it emitted nothing). A
+        request with a grammar drafts too: the scheduler keeps what its grammar allows."""
+        indices = [i for i in range(len(rows)) if sampled_token_ids[i]]
         spec_token_ids: list[list[int]] = [[] for _ in rows]
         if indices:
             draft_rows = [rows[i] for i in indices]

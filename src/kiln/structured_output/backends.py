@@ -4,9 +4,10 @@ Contract: a backend turns a ``StructuredOutputsParams`` into a compiled ``Gramma
 slow: seconds for a big schema, so the manager runs it in a thread) or checks it without a
 tokenizer (``validate``, fast: the admission check). A grammar makes one ``Matcher`` per request;
 a matcher fills one row of a token bitmask (int32 ``[rows, ceil(V / 32)]``, bit ``t % 32`` of
-word ``t // 32`` set when token ``t`` is allowed: both engines use this layout) and advances by
-the tokens the request accepted. EOS (the tokenizer's stop ids) is allowed only where the grammar
-is complete.
+word ``t // 32`` set when token ``t`` is allowed: both engines use this layout), advances by
+the tokens the request accepted, and rolls back the last tokens it accepted (speculative
+decoding: drafts are accepted to check them and to fill their rows, then taken back). EOS (the
+tokenizer's stop ids) is allowed only where the grammar is complete.
 
 Backend errors become ``ValueError`` s that name the request field, so the API server answers
 them with a 400.
@@ -28,11 +29,17 @@ BACKENDS = ("xgrammar", "guidance")
 
 class Matcher(Protocol):
     def accept_token(self, token_id: int) -> bool:
-        """Advance by ``token_id``; False (state unchanged) when the grammar forbids it."""
+        """Advance by ``token_id``; False (state unchanged) when the grammar forbids it or has
+        terminated."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (at most ``MAX_NUM_SPECULATIVE_TOKENS``,
+        and no more than were accepted): the state is as it was before them."""
         ...
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]``."""
+        """Write the tokens allowed next into ``bitmask[row]``; not called once terminated."""
         ...
 
     def is_terminated(self) -> bool:
@@ -86,6 +93,9 @@ class _XGrammarMatcher:
     def accept_token(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -100,6 +110,7 @@ class _XGrammar:
     def make_matcher(self) -> Matcher:
         import xgrammar
 
+        # NOTE: no max_rollback_tokens: xgrammar 0.2.9 deprecates it, rollback is unlimited.
         return _XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
 
 
@@ -193,11 +204,32 @@ def _xgrammar_message(exc: Exception) -> str:
 
 
 class _GuidanceMatcher:
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, eos_token_id: int) -> None:
         self._matcher = matcher
+        self._eos_token_id = eos_token_id
+        self._is_stop_accepted = False
+        """The stop token was accepted. It is kept here, not fed to llguidance: its rollback does
+        not count the stop token as one of the tokens it takes back, and nothing follows it."""
 
     def accept_token(self, token_id: int) -> bool:
+        if self._is_stop_accepted:
+            return False
+        if token_id == self._eos_token_id:
+            self._is_stop_accepted = bool(self._matcher.is_accepting())
+            return self._is_stop_accepted
+        # A token the grammar forbids would put the matcher in its error state for good: check
+        # first, so that a rejected draft leaves it as it was.
+        if self._matcher.validate_tokens([token_id]) != 1:
+            return False
         return bool(self._matcher.consume_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._is_stop_accepted:
+            self._is_stop_accepted = False
+            num_tokens -= 1
+        if num_tokens:
+            is_rolled_back = self._matcher.rollback(num_tokens)
+            assert is_rolled_back, self._matcher.get_error()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         import llguidance.torch
@@ -205,7 +237,8 @@ class _GuidanceMatcher:
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_stopped())
+        # NOTE: llguidance's is_stopped() is already True where only the stop token may follow.
+        return self._is_stop_accepted
 
 
 class _GuidanceGrammar:
@@ -216,7 +249,8 @@ class _GuidanceGrammar:
     def make_matcher(self) -> Matcher:
         import llguidance
 
-        return _GuidanceMatcher(llguidance.LLMatcher(self._tokenizer, self._grammar))
+        matcher = llguidance.LLMatcher(self._tokenizer, self._grammar)
+        return _GuidanceMatcher(matcher, self._tokenizer.eos_token)
 
 
 class GuidanceBackend:

@@ -12,8 +12,12 @@ Contract (vLLM v1's ``StructuredOutputManager``):
   advance until the parser sees the thinking end, in the prompt or the output (vLLM's rule: the
   token that ends it is not fed to the grammar; the next one is its first), unless
   ``structured_outputs.enable_in_reasoning``.
-- ``fill_bitmask(matchers)`` fills one row per matcher, for the requests that sample this step;
-  the rows travel to the runner in ``SchedulerOutput.grammar_bitmask``.
+- ``fill_bitmask(matchers, drafts)`` fills one row per matcher, for the requests that sample this
+  step, or with speculative decoding ``1 + k`` rows for a request verifying ``k`` drafts (row
+  ``j``: what its grammar allows after its first ``j`` drafts; the matcher accepts the drafts to
+  fill them, then rolls them back); the rows travel to the runner in
+  ``SchedulerOutput.grammar_bitmask``. ``valid_drafts`` cuts a request's drafts at the first one
+  its grammar forbids, so every draft it verifies has a row.
 
 The tokenizer (needed by the grammar engines) is loaded on the first structured request, so
 engines that never see one pay nothing.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -34,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.config import KilnConfig
+from kiln.config import MAX_NUM_SPECULATIVE_TOKENS, KilnConfig
 from kiln.reasoning import ReasoningParser, resolve_reasoning_parser
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured_output.backends import BACKEND_CLASSES, Grammar, Matcher, choose_backend
@@ -141,11 +145,32 @@ class StructuredOutputManager:
         """[num_rows, ceil(V / 32)] int32, every token allowed."""
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
-    def fill_bitmask(self, matchers: Sequence[Matcher]) -> np.ndarray:
-        """[len(matchers), ceil(V / 32)] int32: row ``i`` is what ``matchers[i]`` allows next."""
-        bitmask = self.allocate_bitmask(len(matchers))
-        for row, matcher in enumerate(matchers):
-            matcher.fill_bitmask(bitmask, row)
+    def fill_bitmask(
+        self, matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | None = None
+    ) -> np.ndarray:
+        """[sum of 1 + len(drafts[i]), ceil(V / 32)] int32: ``1 + len(drafts[i])`` rows per
+        matcher, in order, row ``j`` of them what ``matchers[i]`` allows after ``drafts[i][:j]``
+        (no drafts: one row each, what it allows next).
+
+        ``drafts[i]`` must be allowed by ``matchers[i]`` (``valid_drafts``). A row after a
+        terminated grammar (a draft was its stop token) allows every token: its token is never
+        emitted, the request stops at the stop token.
+
+        Side effects: none once it returns (each matcher rolls back the drafts it accepted).
+        """
+        drafts = drafts or [()] * len(matchers)
+        bitmask = self.allocate_bitmask(sum(1 + len(d) for d in drafts))
+        row = 0
+        for matcher, request_drafts in zip(matchers, drafts, strict=True):
+            for j in range(len(request_drafts) + 1):
+                if not matcher.is_terminated():
+                    matcher.fill_bitmask(bitmask, row + j)
+                if j < len(request_drafts):
+                    is_allowed = matcher.accept_token(request_drafts[j])
+                    assert is_allowed, "a draft the grammar forbids (see valid_drafts)"
+            if request_drafts:
+                matcher.rollback(len(request_drafts))
+            row += 1 + len(request_drafts)
         return bitmask.numpy()
 
     def shutdown(self) -> None:
@@ -170,9 +195,26 @@ class StructuredOutputManager:
         return backend.compile(params)
 
 
+def valid_drafts(matcher: Matcher, drafts: list[int]) -> list[int]:
+    """The leading ``drafts`` that ``matcher``'s grammar allows in a row after the request's
+    tokens: cut at the first it forbids (none after it terminates).
+
+    Side effects: none once it returns (the matcher rolls back the drafts it accepted).
+    """
+    num_valid = 0
+    for token_id in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            break
+        num_valid += 1
+    if num_valid:
+        matcher.rollback(num_valid)
+    return drafts[:num_valid]
+
+
 class AfterReasoningMatcher:
     """A matcher that starts once the thinking has ended: until then every token is allowed and
-    the grammar does not advance.
+    the grammar does not advance. It rolls back up to ``MAX_NUM_SPECULATIVE_TOKENS`` tokens,
+    across the end of the thinking too.
 
     Args:
         matcher: the grammar's matcher, advanced from the first token after the thinking.
@@ -193,16 +235,34 @@ class AfterReasoningMatcher:
         self._text = text
         self._decode = decode
         self.is_reasoning_ended = False
+        # The state before each of the last accepted tokens, ``(text, is_reasoning_ended)``:
+        # what ``rollback`` restores (the grammar's matcher rolls back the tokens it took).
+        self._history: deque[tuple[str, bool]] = deque(maxlen=MAX_NUM_SPECULATIVE_TOKENS)
 
     def accept_token(self, token_id: int) -> bool:
+        before = (self._text, self.is_reasoning_ended)
         if self.is_reasoning_ended:
-            return self._matcher.accept_token(token_id)
+            if not self._matcher.accept_token(token_id):
+                return False
+            self._history.append(before)
+            return True
         # NOTE: one token at a time; an ASCII tag survives a multi-byte character cut in two.
         self._text += self._decode([token_id], skip_special_tokens=False)
         self.is_reasoning_ended = self._parser.is_reasoning_end(self._text)
         if self.is_reasoning_ended:
             self._text = ""  # not read again
+        self._history.append(before)
         return True
+
+    def rollback(self, num_tokens: int) -> None:
+        assert num_tokens <= len(self._history), (num_tokens, len(self._history))
+        undone = [self._history.pop() for _ in range(num_tokens)]
+        # The tokens accepted after the thinking ended went to the grammar.
+        num_grammar_tokens = sum(is_ended for _, is_ended in undone)
+        if num_grammar_tokens:
+            self._matcher.rollback(num_grammar_tokens)
+        if undone:
+            self._text, self.is_reasoning_ended = undone[-1]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self.is_reasoning_ended:

@@ -19,7 +19,9 @@ Speculative decoding (``kiln.spec_decode.speculator``): a request scheduled with
 logits at its last ``1 + k`` positions, each sampled with the metadata of its position, and the
 platform's rejection sampler decides what it emits (its accepted drafts and one more token);
 after sampling the platform's proposer drafts the next step's tokens of every request that
-emitted some (``ModelRunnerOutput.spec_token_ids``), except those with a grammar.
+emitted some (``ModelRunnerOutput.spec_token_ids``). A request with a grammar speculates too: its
+bitmask has a row per position (the scheduler's, see ``SchedulerOutput.grammar_bitmask``), so
+the rejection sampler verifies its drafts against grammar-masked logits.
 
 It knows nothing about scheduling policy or text; the platform's attention backend, graph wrapper
 and device come from the config and the platform.
@@ -222,7 +224,9 @@ class ModelRunner(ModelRunnerBase):
             if p in metadata.generators
         }
         if scheduler_output.grammar_bitmask is not None:
-            logits = self._apply_grammar_bitmask(logits, rows, last_positions, scheduler_output)
+            logits = self._apply_grammar_bitmask(
+                logits, rows, starts, num_positions, scheduler_output
+            )
         if drafts is None:
             sampler_output = self.sampler(logits, metadata)
             logprobs_tensors = sampler_output.logprobs_tensors
@@ -294,17 +298,25 @@ class ModelRunner(ModelRunnerBase):
         self,
         logits: torch.Tensor,
         rows: list[int],
-        logit_rows: list[int],
+        starts: np.ndarray,
+        num_positions: np.ndarray,
         scheduler_output: SchedulerOutput,
     ) -> torch.Tensor:
         """Structured outputs: forbid what each grammar forbids, before the sampler, so logprobs
-        see the masked distribution too (as vLLM applies it before its sampler)."""
+        see the masked distribution too (as vLLM applies it before its sampler).
+
+        Request ``i`` (of ``rows``) has logits rows ``starts[i] ..`` for its ``num_positions[i]``
+        positions (its last, or with ``k`` drafts its last ``1 + k``); a structured request has
+        as many bitmask rows, in the same order."""
         assert scheduler_output.grammar_bitmask is not None
         batch = self.input_batch
         assert batch is not None
-        # A request's row of logits is its last position (a request with a grammar has one).
-        index = {batch.req_ids[row]: logit_rows[i] for i, row in enumerate(rows)}
-        masked_rows = [index[req_id] for req_id in scheduler_output.structured_output_request_ids]
+        index = {batch.req_ids[row]: i for i, row in enumerate(rows)}
+        masked_rows = []
+        for req_id in scheduler_output.structured_output_request_ids:
+            i = index[req_id]
+            masked_rows.extend(range(int(starts[i]), int(starts[i] + num_positions[i])))
+        assert len(masked_rows) == len(scheduler_output.grammar_bitmask), "a row per position"
         bitmask = torch.from_numpy(scheduler_output.grammar_bitmask).to(self.device)
         masked_rows_t = torch.tensor(masked_rows, dtype=torch.int64).to(self.device)
         return self.apply_token_bitmask(logits, bitmask, masked_rows_t)  # [P, V]
