@@ -58,6 +58,12 @@ def test_default_buckets_follow_the_platform_and_max_num_seqs() -> None:
         speculative__method="ngram", speculative__num_speculative_tokens=3
     )
     assert graph_capture_sizes(speculative, True) == [1, 2, 4, 8]
+    # And the multiples of 1 + k up to the largest: 4 requests verifying 4 drafts each fit 20.
+    speculative = _config(4, (1, 2, 4, 8, 16)).replace(
+        speculative__method="ngram", speculative__num_speculative_tokens=4
+    )
+    assert graph_capture_sizes(speculative, True) == [1, 2, 4, 5, 8, 10, 15, 16]
+    assert graph_capture_sizes(speculative.replace(device__graph_capture_sizes=()), True) == []
 
 
 def test_padded_size_at_bucket_edges() -> None:

@@ -88,7 +88,8 @@ class DeviceConfig:
     ``>= n``, and larger steps run eagerly. ``None``: the platform's choice, which is none where
     it captures nothing (``supports_graph_capture = False``), else 1, 2, 4, 8, 16, then every 16,
     up to ``max_num_seqs`` (see ``kiln.worker.graph.graph_capture_sizes``, which also drops sizes
-    no step reaches); ``()``: no capture. As a flag: "1,2,4,8" ("" for none)."""
+    no step reaches and, with speculative decoding, adds the multiples of ``1 + k``); ``()``: no
+    capture. As a flag: "1,2,4,8" ("" for none)."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_capture_sizes

@@ -54,10 +54,13 @@ def graph_capture_sizes(config: KilnConfig, supports_graph_capture: bool) -> lis
     ``device.graph_capture_sizes`` when set; else none when the platform captures nothing, else
     1, 2, 4, 8, 16, then every 16 up to ``max_num_seqs``, and ``max_num_seqs`` itself (so every
     decode step fits). Sizes above ``max_num_seqs * (1 + num_speculative_tokens)`` are dropped:
-    no step of decodes and verifications has more tokens.
+    no step of decodes and verifications has more tokens. With ``k`` speculative tokens the
+    multiples of ``1 + k`` up to the largest size are added (``n`` requests verifying ``k``
+    drafts each are ``n * (1 + k)`` tokens, which then need no padding), as vLLM aligns its
+    capture sizes.
     """
     max_num_seqs = config.scheduler.max_num_seqs
-    max_tokens = max_num_seqs * (1 + config.speculative.num_speculative_tokens)
+    tokens_per_request = 1 + config.speculative.num_speculative_tokens
     sizes = config.device.graph_capture_sizes
     if sizes is None:
         if not supports_graph_capture:
@@ -67,7 +70,10 @@ def graph_capture_sizes(config: KilnConfig, supports_graph_capture: bool) -> lis
             *range(2 * DEFAULT_SIZE_STEP, max_num_seqs, DEFAULT_SIZE_STEP),
         )
         sizes = (*sizes, max_num_seqs)
-    return sorted({s for s in sizes if s <= max_tokens})
+    kept = {s for s in sizes if s <= max_num_seqs * tokens_per_request}
+    if kept and tokens_per_request > 1:
+        kept.update(range(tokens_per_request, max(kept) + 1, tokens_per_request))
+    return sorted(kept)
 
 
 def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
