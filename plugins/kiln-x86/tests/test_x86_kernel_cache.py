@@ -74,3 +74,42 @@ def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:
         tmp_path / "a.h",
         tmp_path / "common.h",
     ]
+
+
+BUILD = """
+import sys
+from pathlib import Path
+from kiln_x86 import kernels
+module = kernels.load_extension("twin", Path(sys.argv[1]) / "twin.cpp")
+print(module.answer())
+"""
+
+
+def test_two_checkouts_of_one_source_share_its_build(tmp_path) -> None:
+    """Two checkouts of the same source (a git worktree beside the main one) name the same
+    build; each compiling its own path into it made every load from the other rebuild it."""
+    checkouts = [tmp_path / "main" / "csrc", tmp_path / "worktree" / "csrc"]
+    for csrc in checkouts:
+        csrc.mkdir(parents=True)
+        (csrc / "twin.h").write_text("inline int answer() { return 42; }\n")
+        (csrc / "twin.cpp").write_text(
+            '#include <pybind11/pybind11.h>\n#include "twin.h"\n'
+            'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n'
+        )
+    cache = tmp_path / "cache"
+
+    def load(csrc) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", BUILD, str(csrc)],
+            env={**os.environ, kernels.CACHE_ENV: str(cache)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.stdout.strip() == "42", done.stderr[-2000:]
+
+    load(checkouts[0])
+    (library,) = cache.glob("twin_*/twin_*.so")
+    built = library.stat().st_mtime_ns
+    load(checkouts[1])
+    assert library.stat().st_mtime_ns == built, "the second checkout rebuilt the kernel"

@@ -101,6 +101,24 @@ def extension_name(
     return f"{stem}_{isa}_{digest}"
 
 
+def _copy_sources(source: Path, build_dir: Path) -> Path:
+    """``source`` and the headers it includes, copied into ``build_dir/src`` (rewritten only
+    where they differ): the build compiles the copy, so its command line names the same path
+    from every checkout. Compiled in place, two checkouts of one source (a git worktree, a
+    second clone) shared the build's name but not its command, and each load by the other
+    rebuilt it (minutes). The build's name hashes these same files, so the copy is what it
+    names."""
+    folder = build_dir / "src"
+    folder.mkdir(exist_ok=True)
+    for path in included_files(source):
+        copy = folder / path.relative_to(source.parent)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        data = path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return folder / source.name
+
+
 def load_kernels() -> ModuleType | None:
     """The compiled kernels (built into the cache on first use), or None if they cannot be
     built here."""
@@ -135,7 +153,7 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
         with _build_lock(build_dir):
             module = cpp_extension.load(
                 name=name,
-                sources=[str(source)],
+                sources=[str(_copy_sources(source, build_dir))],
                 extra_cflags=cflags,
                 build_directory=str(build_dir),
                 verbose=False,
