@@ -4,8 +4,9 @@ SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, block size 16), 
 through the cache. Each row is one layer's ``forward`` (the step's cache write plus attention; the
 per-step metadata build is not included: it is shared by all 30 layers) for decode batches of 16
 requests at 64 to 512 tokens of context and of 1 request at 512 and 1024, a 128-token prefill
-alone and on a 512-token cached prefix (a prefix-cache hit or a later chunk), and a mixed step
-(15 decodes at 200 tokens and a 128-token prefill, as at concurrency 16 when a request arrives).
+alone and on a 512-token cached prefix (a prefix-cache hit or a later chunk), a mixed step
+(15 decodes at 200 tokens and a 128-token prefill, as at concurrency 16 when a request arrives),
+and a 2,000-token prompt's prefill.
 The backends run interleaved, round after round, and each keeps its best round (interference on
 a shared machine only ever adds time). With one thread (the default) the time is the thread's CPU
 time, which other processes on a busy machine do not inflate; with more, wall time.
@@ -102,7 +103,28 @@ def baseline_kernels(rev: str) -> ModuleType:
         "kiln_x86_attention_baseline", folder / ATTENTION_SOURCE.name, ATTENTION_CFLAGS
     )
     assert module is not None, f"the attention kernel at {rev} did not build"
-    return module
+    return _ArgumentsOfItsTime(module)
+
+
+class _ArgumentsOfItsTime:
+    """An older build's ``paged_attention_update``, called with today's arguments: those it
+    does not take yet (appended since) are dropped."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+        self.num_args: int | None = None
+
+    def paged_attention_update(self, *args: object) -> None:
+        if self.num_args is None:
+            for n in range(len(args), 0, -1):
+                try:
+                    self.module.paged_attention_update(*args[:n])
+                except TypeError:
+                    continue
+                self.num_args = n
+                return
+            raise TypeError("the baseline's paged_attention_update takes none of the arguments")
+        self.module.paged_attention_update(*args[: self.num_args])
 
 
 def bench_pair(calls: dict, rounds: int, number: int, clock) -> dict[str, float]:
@@ -138,6 +160,7 @@ def main() -> None:
         ("prefill 128", [(0, 128)]),
         ("prefill 128 on a 512 prefix", [(512, 128)]),
         ("15 decodes at 200 + prefill 128", [(199, 1)] * 15 + [(0, 128)]),
+        ("prefill 2000", [(0, 2000)]),
     ]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(
@@ -161,7 +184,9 @@ def main() -> None:
             }
             if baseline is not None:
                 calls["baseline"] = layer_calls(X86AttentionBackend, layers, baseline)
-            number = max(1, (20 if "prefill" in name else 50) // args.layers)
+            number = max(
+                1, (2 if "2000" in name else 20 if "prefill" in name else 50) // args.layers
+            )
             best = bench_pair(calls, args.rounds, number, clock)
             times = " | ".join(f"{best[c] / args.layers:.0f}" for c in columns)
             over = "baseline" if baseline is not None else "reference"

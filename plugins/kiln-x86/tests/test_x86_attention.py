@@ -331,23 +331,65 @@ def test_generated_rows_equal_the_same_rows_decoded_one_by_one(context, dtype, t
 
 @pytest.mark.parametrize(
     "prompt_len,cached",
-    # (37, 32): the chat test's repeated question; then tails past one 64-row tile
-    [(37, 32), (37, 16), (100, 96), (20, 16), (100, 32), (200, 16)],
+    # (37, 32): the chat test's repeated question; then tails past one 64-row tile; (33, 32): one
+    # prompt row left; (600, 16), (600, 272): rows past a 256-key chunk
+    [
+        (37, 32),
+        (37, 16),
+        (100, 96),
+        (20, 16),
+        (100, 32),
+        (200, 16),
+        (33, 32),
+        (600, 16),
+        (600, 272),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_prefix_cache_hit_rows_equal_the_whole_prompts(prompt_len, cached, dtype) -> None:
+@pytest.mark.parametrize("sliding_window", [None, 300])
+def test_prefix_cache_hit_rows_equal_the_whole_prompts(
+    prompt_len, cached, dtype, sliding_window
+) -> None:
     """A prefix-cache hit's remaining prompt rows (a few, as a verification has) get the bits the
     whole prompt's prefill gave them: a repeated greedy question gets the same answer. They stay
     prefill rows: computed as decodes, they rounded differently, and a near-tie first token of a
-    repeated chat question flipped ("Paris" -> "L'Étoile")."""
-    cache, common, (q, k, v) = make_step([(0, prompt_len)], 9, 3, dtype=dtype, seed=prompt_len)
+    repeated chat question flipped ("Paris" -> "L'Étoile"). On every CPU: no product's rounding
+    may depend on the tile's row or key count (MKL's did on an AMD EPYC), nor, with a sliding
+    window, the key chunks on where the tile starts."""
+    check_prefix_hit(prompt_len, cached, dtype, sliding_window)
+
+
+@pytest.mark.parametrize("prompt_len,cached", [(100, 32), (33, 32), (600, 272)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prefix_cache_hit_rows_equal_on_every_build(
+    prompt_len, cached, dtype, portable_kernels
+) -> None:
+    """The same with a head size that is no multiple of 16 (padded inside the tile), and with
+    the build an AVX2-only CPU gets (its own products, without AVX512-BF16)."""
+    check_prefix_hit(prompt_len, cached, dtype, None, head_size=80)
+    check_prefix_hit(prompt_len, cached, dtype, 300, kernels=portable_kernels)
+    check_prefix_hit(prompt_len, cached, dtype, None, head_size=80, kernels=portable_kernels)
+
+
+def check_prefix_hit(
+    prompt_len: int,
+    cached: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    head_size: int = 64,
+    kernels: ModuleType | None = None,
+) -> None:
+    cache, common, (q, k, v) = make_step(
+        [(0, prompt_len)], 9, 3, head_size, dtype=dtype, seed=prompt_len
+    )
     whole_cache = cache.clone()
+    shape = (9, 3, head_size, sliding_window, kernels)
     whole = run_step(
-        X86AttentionBackend, whole_cache, with_prompts(common, [prompt_len]), (q, k, v), 9, 3, 64
+        X86AttentionBackend, whole_cache, with_prompts(common, [prompt_len]), (q, k, v), *shape
     )
     table = common.block_table[0].tolist()
     hit = CommonAttentionMetadata.from_block_tables([prompt_len - cached], [cached], [table], 16)
     hit = with_prompts(hit, [prompt_len])
     new = (q[cached:], k[cached:], v[cached:])
-    rows = run_step(X86AttentionBackend, whole_cache.clone(), hit, new, 9, 3, 64)
+    rows = run_step(X86AttentionBackend, whole_cache.clone(), hit, new, *shape)
     assert torch.equal(rows, whole[cached:])

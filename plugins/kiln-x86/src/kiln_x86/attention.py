@@ -14,8 +14,11 @@ are float32 for float32 and bfloat16 caches.
 The metadata is the core's tensors, made contiguous int32 once per step; a request whose new
 tokens are all generated ones (a speculative step's verification) is attended as one-token decodes
 (``rows_as_decodes``), so that every generated token's row gets the bits of a plain decode step,
-and greedy speculation the tokens and logprobs of no speculation. A decode's rounding depends on
-its own context length only, not on the thread count or the step's other requests. Where the
+and greedy speculation the tokens and logprobs of no speculation; prompt rows are always tiled
+(``prompt_reqs``), one left included, and a tiled row's rounding does not depend on the tile it
+falls in, so a prefix-cache hit's or a later chunk's rows get the whole prompt's bits, on any CPU.
+A decode's rounding depends on its own context length only, not on the thread count or the step's
+other requests. Where the
 kernels cannot be built (no compiler) the backend logs it once and runs the reference CPU backend
 instead. Float16 models and batch-invariant mode keep the reference backends (the platform names
 them): the kernel handles float32 and bfloat16, and its prefill tiles are not held to batch
@@ -66,6 +69,9 @@ class X86AttentionMetadata:
     """[num_reqs] int32: context after the step, the new tokens included."""
     block_table: torch.Tensor
     """[num_reqs, max_num_blocks_per_req] int32, contiguous."""
+    prompt_reqs: torch.Tensor
+    """[num_reqs] int32, 1 where a request's new rows are prompt rows (the kernel tiles them even
+    when there is one), or empty where the core did not say (one new row is then a decode)."""
 
 
 class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
@@ -84,17 +90,20 @@ class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
         query_start_loc = common.query_start_loc[: n + 1].to(torch.int32)
         seq_lens = common.seq_lens[:n].to(torch.int32)
         block_table = common.block_table[:n].to(torch.int32)
+        prompt_reqs = torch.empty(0, dtype=torch.int32)
         if common.num_prompt_tokens is not None:
             is_generated = common.num_computed_tokens[:n] >= common.num_prompt_tokens[:n]
-            query_start_loc, seq_lens, block_table = rows_as_decodes(
+            query_start_loc, seq_lens, block_table, is_generated = rows_as_decodes(
                 query_start_loc, seq_lens, block_table, is_generated
             )
+            prompt_reqs = (~is_generated).to(torch.int32)
         return X86AttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].to(torch.int64),
             query_start_loc=query_start_loc.contiguous(),
             seq_lens=seq_lens.contiguous(),
             block_table=block_table.contiguous(),
+            prompt_reqs=prompt_reqs.contiguous(),
         )
 
 
@@ -103,7 +112,7 @@ def rows_as_decodes(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     is_generated: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's requests with each request of several new tokens that are all generated ones
     (``is_generated`` [num_reqs] bool: a speculative step's verification, 1 + k rows) split into
     one-token requests: same block table, context ending at each row's own position.
@@ -115,12 +124,13 @@ def rows_as_decodes(
     as the prompt's prefill computes them, so a prefix-cache hit's few remaining prompt rows get
     the bits of the cold prefill's (computing them as decodes flipped a near-tie first token of
     a repeated chat question, "Paris" -> "L'Étoile"). Tokens keep their order, so queries,
-    outputs and slots are unchanged. Int32 CPU tensors in and out.
+    outputs and slots are unchanged. Int32 CPU tensors in and out, and ``is_generated`` per
+    request of the result.
     """
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_reqs]
     split = (q_lens > 1) & is_generated
     if not bool(split.any()):
-        return query_start_loc, seq_lens, block_table
+        return query_start_loc, seq_lens, block_table, is_generated
     repeats = torch.where(split, q_lens, 1)
     owner = torch.repeat_interleave(torch.arange(len(q_lens)), repeats)  # [new num_reqs]
     first = torch.cumsum(repeats, 0) - repeats  # each request's first new row
@@ -130,7 +140,7 @@ def rows_as_decodes(
     new_seq_lens = torch.where(is_split, seq_lens[owner] - q_lens[owner] + row + 1, seq_lens[owner])
     new_start_loc = torch.zeros(len(owner) + 1, dtype=torch.int32)
     torch.cumsum(new_q_lens, 0, out=new_start_loc[1:])
-    return new_start_loc, new_seq_lens.to(torch.int32), block_table[owner]
+    return new_start_loc, new_seq_lens.to(torch.int32), block_table[owner], is_generated[owner]
 
 
 class X86AttentionImpl(AttentionImpl[Any]):
@@ -189,6 +199,7 @@ class X86AttentionImpl(AttentionImpl[Any]):
             md.seq_lens,
             self.scale,
             self.sliding_window or 0,
+            md.prompt_reqs,
         )
         return out.view(num_tokens, self.num_heads * self.head_size).to(query.dtype)
 

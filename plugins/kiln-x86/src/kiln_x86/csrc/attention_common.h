@@ -72,6 +72,7 @@ struct Problem {
   int64_t out_stride_token, out_stride_head;  // out [T, H, D]
   float scale;
   int64_t sliding_window;  // <= 0: none
+  const int32_t* prompt_reqs = nullptr;  // [B], or none: 1 where a request's new rows are prompt's
 };
 
 // 16 float32 lanes (one AVX-512 register, two AVX2 ones), and loads that widen bf16 exactly.

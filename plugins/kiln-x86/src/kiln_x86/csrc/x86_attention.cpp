@@ -10,7 +10,8 @@
 // context). An item's rows are the tile's tokens times the `group` query heads that share the kv
 // head (grouped-query attention), so each K/V block is read once for all of them. A decode (one
 // token) runs attention_decode.h's AVX-512 kernel where the build and head size have one, else
-// attend_token here (portable vector code); several tokens run attend_tile (MKL products). Over
+// attend_token here (portable vector code); several tokens, or one prompt token, run attend_tile
+// (attention_tile.h's products, whose rounding per row does not depend on the tile). Over
 // the blocks each keeps a flash-style online softmax (running max and sum per row) in float32; a
 // row sees keys at positions <= its own (the causal offset of a request with a cached prefix:
 // position = num_computed + index in the request's new tokens), and with a sliding window only
@@ -39,6 +40,7 @@
 
 #include "attention_common.h"
 #include "attention_decode.h"
+#include "attention_tile.h"
 #include "bf16.h"
 
 namespace {
@@ -54,38 +56,9 @@ using kiln_x86::round_to;
 using kiln_x86::to_float;
 using namespace kiln_x86::attention;  // NOLINT: this file's own helpers
 
-// torch's x86 wheels link MKL into libtorch_cpu, which this extension links against: its GEMMs
-// run the prefill tiles' products. Scores: float32 sgemm (column-major Fortran), or bf16 x bf16
-// with float32 sums (exact products; 1.6x faster than sgemm on float32 copies at 192 x 64 x 256
-// here). Probabilities times values: float32, so that probabilities are never rounded to bf16.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
-                       const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
-extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k,
-                                       float alpha, const uint16_t* a, int lda, const uint16_t* b,
-                                       int ldb, float beta, float* c, int ldc);
-constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
-
-// Row-major s[rows, keys] = a[rows, d] . b[keys, d]^T, float32 results.
-void scores_gemm(const float* a, const float* b, float* s, int rows, int keys, int d) {
-  const float one = 1.0f, zero = 0.0f;
-  // Column-major: s^T [keys, rows] = b [keys, d] . a^T [d, rows].
-  sgemm_("T", "N", &keys, &rows, &d, &one, b, &d, a, &d, &zero, s, &keys);
-}
-
-void scores_gemm(const c10::BFloat16* a, const c10::BFloat16* b, float* s, int rows, int keys,
-                 int d) {
-  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasTrans, rows, keys, d, 1.0f,
-                         reinterpret_cast<const uint16_t*>(a), d,
-                         reinterpret_cast<const uint16_t*>(b), d, 0.0f, s, keys);
-}
-
-// Row-major o[rows, d] += p[rows, keys] . v[keys, d], float32.
-void output_gemm(const float* p, const float* v, float* o, int rows, int keys, int d) {
-  const float one = 1.0f;
-  // Column-major: o^T [d, rows] += v^T [d, keys] . p^T [keys, rows].
-  sgemm_("N", "N", &d, &rows, &keys, &one, v, &d, p, &keys, &one, o, &d);
+// Keys per chunk of a prefill tile: whole blocks, about kChunkKeys.
+inline int64_t chunk_keys(const Problem& p) {
+  return std::max<int64_t>(1, kChunkKeys / p.block_size) * p.block_size;
 }
 
 // Online softmax step of one row over scores s[0, n) (already scaled, -inf where masked, at
@@ -205,67 +178,85 @@ void attend_token(const Problem& p, const WorkItem& it, const T* query, const T*
 }
 
 // A tile of query tokens (rows: token-major, then the group's heads): the keys are taken a chunk
-// of kChunkKeys at a time (whole blocks) into per-thread buffers, and both products are BLAS
-// calls; only the tile's chunk is ever copied, never the request's whole context.
+// of kChunkKeys at a time into per-thread buffers laid out for attention_tile.h's products (only
+// the tile's chunk is ever copied, never the request's whole context). Chunks start at multiples
+// of kChunkKeys, whatever the tile, and are padded to kKeyPad keys, so that each row sees the same
+// chunks, of the same width, in every tile it may fall in (the online softmax's sums, and so its
+// bits, depend on both).
 template <typename T>
 void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
                  const T* value_cache, Scratch& sc) {
-  const int64_t d = p.head_size, bs = p.block_size, group = p.group;
+  using Operands = TileOperands<T>;
+  const int64_t d = p.head_size, dp = round_up(d, 16), bs = p.block_size, group = p.group;
   const int64_t num_tokens = it.token_end - it.token_begin;
-  const int64_t rows = num_tokens * group;
+  const int64_t rows = num_tokens * group, rows_pad = round_up(rows, kTileRows);
   const int64_t pos0 = p.seq_lens[it.req] - (p.query_start_loc[it.req + 1] - it.token_begin);
   const int32_t* table = p.block_table + it.req * p.table_stride;
-  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / bs) * bs;
-  T* q = reinterpret_cast<T*>(sc.q);  // [rows, d], in the float buffer (T is no wider)
-  T* k = reinterpret_cast<T*>(sc.k);  // [chunk, d]
-  float* v = sc.v;  // [chunk, d]
-  float* s = sc.s;  // [rows, chunk]
-  float* o = sc.o;  // [rows, d]
+  const int64_t chunk = chunk_keys(p);
+  float* q = sc.q;  // [rows_pad, dp]
+  float* kt = sc.k;  // [d, n_pad]
+  float* v = sc.v;  // [n_pad, dp]
+  float* s = sc.s;  // [rows_pad, n_pad]
+  float* o = sc.o;  // [rows_pad, dp]
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const T* src = query + (it.token_begin + t) * p.q_stride_token +
                      (it.kv_head * group + g) * p.q_stride_head;
-      std::copy(src, src + d, q + (t * group + g) * d);
+      Operands::put_query(src, d, dp, t * group + g, q);
     }
   }
-  std::fill(o, o + rows * d, 0.0f);
+  Operands::pad_queries(rows, rows_pad, d, dp, q);
+  std::fill(o, o + rows_pad * dp, 0.0f);
   std::fill(sc.m, sc.m + rows, kNegInf);
   std::fill(sc.l, sc.l + rows, 0.0f);
   const KeyRange range = key_range(p, it, pos0, num_tokens);
-  for (int64_t c0 = range.lo / bs * bs; c0 < range.hi; c0 += chunk) {
+  for (int64_t c0 = range.lo / chunk * chunk; c0 < range.hi; c0 += chunk) {
     const int64_t c1 = std::min(range.hi, c0 + chunk);  // keys [c0, c1)
-    const int64_t n = c1 - c0;
+    const int64_t n = c1 - c0, n_pad = round_up(n, kKeyPad);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t block = table[(c0 + j) / bs];
       const int64_t offset = block * p.kv_stride_block + ((c0 + j) % bs) * p.kv_stride_slot +
                              it.kv_head * p.kv_stride_head;
-      // Keys before `lo` (the chunk starts at a block edge) are copied but masked below.
-      std::copy(key_cache + offset, key_cache + offset + d, k + j * d);
-      for (int64_t i = 0; i < d; ++i) v[j * d + i] = to_float(value_cache[offset + i]);
+      // Keys before `lo` (a sliding window's) are copied but masked below.
+      Operands::put_key(key_cache + offset, d, n_pad, j, kt);
+      float* vj = v + j * dp;
+      for (int64_t i = 0; i < d; ++i) vj[i] = to_float(value_cache[offset + i]);
+      std::fill(vj + d, vj + dp, 0.0f);
     }
-    scores_gemm(q, k, s, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d));
+    Operands::pad_keys(n, n_pad, d, kt);
+    std::fill(v + n * dp, v + n_pad * dp, 0.0f);
+    Operands::scores(q, rows_pad, d, dp, kt, n_pad, s);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = pos0 + r / group;
       int64_t lo = std::max(range.lo, c0);
       if (p.sliding_window > 0) lo = std::max<int64_t>(lo, pos - p.sliding_window + 1);
       const int64_t hi = std::min(c1, pos + 1);
-      float* sr = s + r * n;
+      float* sr = s + r * n_pad;
       if (lo >= hi) {  // no key of this chunk for this row
-        std::fill(sr, sr + n, 0.0f);
+        std::fill(sr, sr + n_pad, 0.0f);
         continue;
       }
       // Masked: the chunk's keys before the row's first visible one and after its own position.
       std::fill(sr, sr + (lo - c0), kNegInf);
       for (int64_t j = lo - c0; j < hi - c0; ++j) sr[j] *= p.scale;
-      std::fill(sr + (hi - c0), sr + n, kNegInf);
-      softmax_step(sr, n, &sc.m[r], &sc.l[r], o + r * d, d);
+      std::fill(sr + (hi - c0), sr + n_pad, kNegInf);
+      softmax_step(sr, n_pad, &sc.m[r], &sc.l[r], o + r * dp, dp);
     }
-    output_gemm(s, v, o, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d));
+    output_product(s, rows_pad, n_pad, v, dp, o);
+  }
+  if (dp != d) {  // rows back to write_rows' stride d (in place: each moves down)
+    for (int64_t r = 1; r < rows; ++r) std::memmove(o + r * d, o + r * dp, d * sizeof(float));
   }
 }
 
+// A request's new rows are prompt rows: tiled even when there is one (a prefix-cache hit or a
+// chunk that leaves one prompt token), so they get the bits the whole prompt's prefill gave them.
+inline bool is_prompt(const Problem& p, int64_t req) {
+  return p.prompt_reqs != nullptr && p.prompt_reqs[req] != 0;
+}
+
 inline bool uses_tile(const Problem& p, const WorkItem& it) {
-  return it.token_end - it.token_begin > 1 || p.head_size % 16 != 0;
+  return it.token_end - it.token_begin > 1 || p.head_size % 16 != 0 || is_prompt(p, it.req);
 }
 
 template <typename T>
@@ -316,7 +307,7 @@ std::vector<WorkItem> plan(const Problem& p, int64_t num_reqs, int64_t num_threa
     if (end <= start) continue;
     const int32_t num_computed = seq_len - (end - start);
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-      if (end - start == 1 && seq_len > span) {
+      if (end - start == 1 && seq_len > span && !is_prompt(p, r)) {
         for (int32_t c = 0; c < seq_len; c += span) {
           const int32_t c_end = std::min<int32_t>(seq_len, c + span);
           items.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h), start, end, c, c_end,
@@ -351,17 +342,17 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
   std::vector<float> partials(num_partials * partial_size);
 
   // Each thread's buffers fit the step's largest item: decode-only steps need little.
-  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / p.block_size) * p.block_size;
   int64_t max_tokens = 1;
   int64_t keys = p.block_size;
   for (const WorkItem& it : items) {
     max_tokens = std::max<int64_t>(max_tokens, it.token_end - it.token_begin);
-    if (uses_tile(p, it)) keys = std::max(keys, chunk);
+    if (uses_tile(p, it)) keys = std::max(keys, round_up(chunk_keys(p), kKeyPad));
   }
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
-    Scratch sc(max_tokens * group, d, keys);
+    // Tiles pad their rows and head size (attention_tile.h's layouts).
+    Scratch sc(round_up(max_tokens * group, kTileRows), round_up(d, 16), keys);
     for (int64_t i = next++; i < num_items; i = next++) {
       const WorkItem& it = items[i];
       attend<T>(p, it, query, key_cache, value_cache, sc);
@@ -420,11 +411,13 @@ void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
 // out[t, h, :] for every token of a request (rows of padding are left alone): attention of
 // query [T, H, D] over the paged caches [num_blocks, block_size, Hkv, D] (float32 or bfloat16,
 // query's dtype), per block_table [B, max_blocks] int32, query_start_loc [B + 1] int32 and
-// seq_lens [B] int32 (context after the step, the new tokens included, already in the cache).
+// seq_lens [B] int32 (context after the step, the new tokens included, already in the cache);
+// prompt_reqs [B] int32 (1: the request's new rows are prompt rows) or empty (one new row is a
+// decode).
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window) {
+                     int64_t sliding_window, const at::Tensor& prompt_reqs) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4,
               "query and out must be [T, H, D], the caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(key_cache.strides() == value_cache.strides() &&
@@ -462,6 +455,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   p.out_stride_head = out.stride(1);
   p.scale = static_cast<float>(scale);
   p.sliding_window = sliding_window;
+  if (prompt_reqs.numel() > 0) {
+    TORCH_CHECK(prompt_reqs.scalar_type() == at::kInt && prompt_reqs.is_contiguous() &&
+                    prompt_reqs.size(0) == seq_lens.size(0),
+                "prompt_reqs must be contiguous int32 with one entry per request, or empty");
+    p.prompt_reqs = prompt_reqs.data_ptr<int32_t>();
+  }
   const int64_t num_reqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_table.size(0) >= num_reqs,
               "query_start_loc must have num_reqs + 1 entries, block_table a row per request");
@@ -486,7 +485,8 @@ void paged_attention_update(const at::Tensor& out, const at::Tensor& query, cons
                             const at::Tensor& value, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                            const at::Tensor& prompt_reqs) {
   const int64_t n = slot_mapping.size(0);
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t row = key_cache.size(2) * key_cache.size(3);
@@ -520,7 +520,7 @@ void paged_attention_update(const at::Tensor& out, const at::Tensor& query, cons
     std::memcpy(vc + offset, vp + t * value.stride(0) * es, bytes);
   }
   paged_attention(out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                  scale, sliding_window);
+                  scale, sliding_window, prompt_reqs);
 }
 
 }  // namespace
