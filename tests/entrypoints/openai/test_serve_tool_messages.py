@@ -124,6 +124,13 @@ def test_every_agent_message_shape_renders(agent: openai.OpenAI, shape: str) -> 
             "messages.1.tool_calls.0.function.arguments",
         ),
         (
+            {
+                "role": "assistant",
+                "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[" * 10**5}}],
+            },
+            "messages.1.tool_calls.0.function.arguments",  # nested too deeply to parse
+        ),
+        (
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
             "messages.1.content",
         ),
