@@ -98,6 +98,110 @@ def test_text_parts_are_joined(smollm: Tokenizer) -> None:
         smollm.apply_chat_template([{"role": "user", "content": image}])
 
 
+# The messages agents send back, each in OpenAI's shape: an assistant turn with only tool calls
+# (content null, as the SDK gives it, or missing), their arguments as JSON text, a tool result
+# with its call's id and name, and content as text parts.
+FUNCTION = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+CALL = {"id": "call_1", "type": "function", "function": FUNCTION}
+AGENT_TURNS = {
+    "content null": {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    "content missing": {"role": "assistant", "tool_calls": [CALL]},
+    "content empty": {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    "tool result": {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "name": "get_weather",
+        "content": "22 C",
+    },
+    "text parts": {"role": "tool", "content": [{"type": "text", "text": "22 C"}]},
+}
+WHAT_RENDERS = {
+    "content null": "<|im_start|>assistant\n<|im_end|>\n",
+    "content missing": "<|im_start|>assistant\n<|im_end|>\n",
+    "content empty": "<|im_start|>assistant\n<|im_end|>\n",
+    "tool result": "<|im_start|>tool\n22 C<|im_end|>\n",
+    "text parts": "<|im_start|>tool\n22 C<|im_end|>\n",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(AGENT_TURNS))
+def test_agent_turns_render_with_the_default_template(smollm: Tokenizer, shape: str) -> None:
+    # SmolLM2's template writes message['content'] into a string: null must render as "" (as
+    # vLLM renders it), never fail, never print "None".
+    turn = AGENT_TURNS[shape]
+    question = {"role": "user", "content": "Weather in Paris?"}
+    prompt = smollm.apply_chat_template([question, turn, question], add_generation_prompt=False)
+    assert WHAT_RENDERS[shape] in prompt
+    assert "None" not in prompt
+
+
+# A template in the style of those that iterate a call's arguments (they need the object).
+ARGUMENTS_TEMPLATE = (
+    "{% for m in messages %}{% for call in m.tool_calls or [] %}{{ call.function.name }}("
+    "{% for key, value in call.function.arguments.items() %}{{ key }}={{ value }}{% endfor %})"
+    "{% endfor %}{% endfor %}"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ('{"city": "Paris"}', "get_weather(city=Paris)"),
+        ({"city": "Rome"}, "get_weather(city=Rome)"),
+        ("", "get_weather()"),
+        (None, "get_weather()"),
+    ],
+)
+def test_json_text_arguments_reach_the_template_as_objects(
+    smollm: Tokenizer, arguments: Any, expected: str
+) -> None:
+    turn = {
+        **AGENT_TURNS["content null"],
+        "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": arguments}}],
+    }
+    assert (
+        smollm.apply_chat_template(
+            [turn], add_generation_prompt=False, chat_template=ARGUMENTS_TEMPLATE
+        )
+        == expected
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("turn", "field"),
+    [
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+            "messages[1].tool_calls[0].function.arguments must be JSON text of an object",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+            "messages[1].tool_calls[0].function.arguments must be a JSON object, got list",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": "[" * 10**5}}],
+            },
+            "messages[1].tool_calls[0].function.arguments must be JSON text of an object",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+            "messages[1].content[1]: content part of type 'image_url' is not supported",
+        ),
+        ({"role": "user", "content": 5}, "messages[1].content must be a string"),
+    ],
+)
+def test_bad_agent_turns_name_the_field(smollm: Tokenizer, turn: dict, field: str) -> None:
+    question = {"role": "user", "content": "Weather in Paris?"}
+    with pytest.raises(ValueError) as info:
+        smollm.apply_chat_template([question, turn])
+    assert str(info.value).startswith(field)
+
+
 def _write_tokenizer_gguf(path: Path, **overrides: Any) -> None:
     """A GGUF holding the default model's tokenizer metadata with some keys changed."""
     from gguf import GGUFValueType, GGUFWriter

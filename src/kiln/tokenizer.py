@@ -125,9 +125,9 @@ class Tokenizer:
         """Render ``messages`` with the model's chat template.
 
         Args:
-            messages: ``{"role": ..., "content": ...}`` dicts; content may be a string, a list of
-                ``{"type": "text", "text": ...}`` parts (joined with newlines), or None (keys set
-                to None are left out, as transformers does).
+            messages: ``{"role": ..., "content": ...}`` dicts, in OpenAI's shapes; the template
+                gets them as ``normalise_message`` makes them (content a string, even when null
+                or missing; the JSON-text ``arguments`` of ``tool_calls`` as objects).
             add_generation_prompt: end with the header of an assistant turn.
             tokenize: return token ids (the template writes its own special tokens, so no BOS is
                 added) instead of the string.
@@ -136,18 +136,19 @@ class Tokenizer:
             **kwargs: extra template variables (``tools``, ``documents``, ``enable_thinking``...).
 
         Raises:
-            ValueError: no template; a content part that is not text; a template that fails in
-                any way (the template is code the model or a user supplied, so its failure is an
-                input error).
+            ValueError: no template; a message ``normalise_message`` refuses (naming the field);
+                a template that fails in any way (the template is code the model or a user
+                supplied, so its failure is an input error).
         """
         template = self._resolve_template(chat_template)
+        normalised = [normalise_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
         special = {
             name: getattr(self.hf_tokenizer, name, None)
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         try:
             text = _compile(template).render(
-                messages=[_normalise_message(m) for m in messages],
+                messages=normalised,
                 add_generation_prompt=add_generation_prompt,
                 **{**special, **kwargs},
             )
@@ -173,24 +174,95 @@ class Tokenizer:
         )
 
 
-def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    # Keys set to None are dropped, as transformers does: OpenAI clients send content=None with
-    # tool calls, and templates handle a missing key but would print a literal "None".
+def normalise_message(message: Mapping[str, Any], where: str = "message") -> dict[str, Any]:
+    """``message`` in the shape chat templates expect, as vLLM gives it to them.
+
+    - ``content`` is always a string: null or missing is ``""`` (an assistant turn with only
+      ``tool_calls``, as OpenAI clients send it back, must render with a template that writes
+      ``message['content']``), and text parts are joined with newlines.
+    - Other keys set to None are left out, as transformers does: templates test ``is defined``.
+    - The ``arguments`` of each of ``tool_calls`` (JSON text in OpenAI's form) become the object
+      templates write with ``tojson`` or iterate.
+
+    Args:
+        where: the message's name in error messages (``messages[2]``).
+
+    Raises:
+        ValueError: naming the field: content that is not a string, text parts or null; a part
+            that is not text; arguments that are not JSON of an object.
+    """
     normalised = {key: value for key, value in message.items() if value is not None}
-    content = normalised.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            if kind != "text":
-                raise ValueError(
-                    f"message content part of type {kind!r} is not supported; allowed: ['text']"
-                )
-            if not isinstance(part.get("text"), str):
-                raise ValueError("a message content part of type 'text' needs a string 'text'")
-            texts.append(part["text"])
-        normalised["content"] = "\n".join(texts)
+    normalised["content"] = message_text(message.get("content"), f"{where}.content")
+    calls = normalised.get("tool_calls")
+    if isinstance(calls, list):
+        normalised["tool_calls"] = [
+            _normalise_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)
+        ]
     return normalised
+
+
+def message_text(content: Any, where: str = "content") -> str:
+    """A message's ``content`` as one string: null is ``""``, ``{"type": "text"}`` parts are
+    joined with newlines (as vLLM joins them).
+
+    Raises:
+        ValueError: naming ``where``: not a string, a list of parts or null; a part that is not
+            text (the only kind supported), or whose ``text`` is not a string.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(
+            f"{where} must be a string, a list of text parts or null, got {type(content).__name__}"
+        )
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind != "text":
+            raise ValueError(
+                f"{where}[{i}]: content part of type {kind!r} is not supported; allowed: ['text']"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{where}[{i}]: a content part of type 'text' needs a string 'text', got "
+                f"{type(text).__name__}"
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def tool_call_arguments(arguments: Any, where: str = "arguments") -> dict[str, Any]:
+    """A call's arguments as the object chat templates expect: JSON text (OpenAI's form) is
+    parsed, an object kept, empty text or null is ``{}``.
+
+    Raises:
+        ValueError: naming ``where``: not valid JSON, or JSON of something else than an object.
+    """
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ValueError(f"{where} must be JSON text of an object: {reason}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(arguments).__name__}")
+    return arguments
+
+
+def _normalise_call(call: Any, where: str) -> Any:
+    # A call in another shape than OpenAI's is the template's business.
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    function["arguments"] = tool_call_arguments(
+        function.get("arguments"), f"{where}.function.arguments"
+    )
+    return {**call, "function": function}
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -319,4 +391,10 @@ def _read_json(path: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = [
+    "Tokenizer",
+    "load_tokenizer",
+    "message_text",
+    "normalise_message",
+    "tool_call_arguments",
+]

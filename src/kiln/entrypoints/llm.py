@@ -7,9 +7,7 @@ The engine core runs in this process. ``model=None`` serves the embedded default
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,12 +98,14 @@ class LLM:
         Args:
             tools: OpenAI-style tool definitions (``{"type": "function", "function": {...}}``),
                 given to the chat template as ``tools``. Assistant messages may carry
-                ``tool_calls`` (their JSON-text ``arguments`` reach the template as objects) and
-                ``tool`` messages a ``tool_call_id``. The output is the model's text: parse its
-                calls with a tool parser (``kiln.entrypoints.openai.tool_parsers``).
+                ``tool_calls`` and no content (their JSON-text ``arguments`` reach the template as
+                objects) and ``tool`` messages a ``tool_call_id``. The output is the model's text:
+                parse its calls with a tool parser (``kiln.entrypoints.openai.tool_parsers``).
 
         Raises:
-            ValueError: the template rejects the messages, or ``tools`` is set in
+            ValueError: a message in a shape no template takes (naming the field: arguments that
+                are not JSON of an object, a content part that is not text), the template
+                rejects the messages, or ``tools`` is set in
                 ``chat_template_kwargs`` as well.
         """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
@@ -117,7 +117,7 @@ class LLM:
         frontend = self.llm_engine.frontend
         prompts = [
             frontend.render_chat(
-                [_with_parsed_arguments(m) for m in conversation],  # type: ignore[union-attr]
+                conversation,  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 chat_template_kwargs=template_kwargs,
@@ -161,22 +161,3 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
-
-
-def _with_parsed_arguments(message: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``message`` with the JSON-text ``arguments`` of its ``tool_calls`` as objects, as the
-    server gives them to chat templates (which write them with ``tojson``)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    parsed = []
-    for call in calls:
-        function = dict(call.get("function") or {})
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            with contextlib.suppress(ValueError):
-                value = json.loads(arguments)
-                if isinstance(value, dict):
-                    function["arguments"] = value
-        parsed.append({**call, "function": function})
-    return {**message, "tool_calls": parsed}

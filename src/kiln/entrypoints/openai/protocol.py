@@ -15,12 +15,12 @@ are null, is exactly OpenAI's); their shapes are documented there.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from kiln.sampling_params import StructuredOutputsParams
+from kiln.tokenizer import message_text, tool_call_arguments
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -203,24 +203,19 @@ class NamedToolChoice(OpenAIBaseModel):
 class FunctionCall(OpenAIBaseModel):
     name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
     arguments: str | dict[str, Any] = Field(default="{}")
-    """JSON text (OpenAI's form) or an object. JSON text of an object is kept as the object, as
-    vLLM gives it to chat templates (which write it with ``tojson``)."""
+    """JSON text of an object (OpenAI's form; empty: no arguments) or an object. Kept as the
+    object, as vLLM gives it to chat templates (which write it with ``tojson`` or iterate it);
+    text that is not JSON of an object is refused."""
 
     @field_validator("arguments")
     @classmethod
-    def _parse_arguments(cls, arguments: Any) -> Any:
-        if isinstance(arguments, str):
-            if len(arguments) > MAX_TOOL_CALL_ARGUMENTS_CHARS:
-                raise ValueError(
-                    f"arguments must hold at most {MAX_TOOL_CALL_ARGUMENTS_CHARS} characters, "
-                    f"got {len(arguments)}"
-                )
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                return arguments  # not JSON: the template gets the text
-            return parsed if isinstance(parsed, dict) else arguments
-        return arguments
+    def _parse_arguments(cls, arguments: Any) -> dict[str, Any]:
+        if isinstance(arguments, str) and len(arguments) > MAX_TOOL_CALL_ARGUMENTS_CHARS:
+            raise ValueError(
+                f"arguments must hold at most {MAX_TOOL_CALL_ARGUMENTS_CHARS} characters, "
+                f"got {len(arguments)}"
+            )
+        return tool_call_arguments(arguments)
 
 
 class ToolCallParam(OpenAIBaseModel):
@@ -234,7 +229,8 @@ class ToolCallParam(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
-    """Text, or a list of ``{"type": "text", "text": ...}`` parts (the only kind supported)."""
+    """Text, a list of ``{"type": "text", "text": ...}`` parts (the only kind supported; kept
+    joined with newlines), or null (with ``tool_calls``; the template gets ``""``)."""
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
     """An assistant message's calls (passed to the chat template)."""
@@ -243,17 +239,8 @@ class ChatMessage(OpenAIBaseModel):
 
     @field_validator("content")
     @classmethod
-    def _check_parts(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type")
-                if kind != "text":
-                    raise ValueError(
-                        f"content part of type {kind!r} is not supported; allowed: ['text']"
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise ValueError("a content part of type 'text' needs a string `text`")
-        return content
+    def _join_parts(cls, content: Any) -> Any:
+        return message_text(content) if isinstance(content, list) else content
 
 
 class ResponseFormat(OpenAIBaseModel):

@@ -132,10 +132,8 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
 def _cut_after_final_message(text: str, final: ChatMessage) -> str:
     """``continue_final_message``: the rendered text up to the end of the last message's content
     (dropping the end-of-turn the template wrote), so the model continues that message."""
-    content = final.content
-    if isinstance(content, list):
-        content = "\n".join(str(part.get("text", "")) for part in content)
-    for needle in (content or "", (content or "").strip()):
+    content = final.content if isinstance(final.content, str) else ""  # parts come joined
+    for needle in (content, content.strip()):
         index = text.rfind(needle) if needle else -1
         if index >= 0:
             return text[: index + len(needle)]
