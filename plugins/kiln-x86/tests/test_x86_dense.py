@@ -43,8 +43,11 @@ def test_traced_dense_linear_records_one_op_and_replays_the_eager_rows(layer):
     assert torch.equal(graph(x), eager)
 
 
-def test_dense_linear_leaves_float32_layers(layer):
+def test_dense_linear_leaves_float32_and_batch_invariant_layers(layer):
     x32 = torch.randn(2, 192)
     assert not dense._linear_supports(layer, x32)
     layer32 = ReplicatedLinear(192, 320, params_dtype=torch.float32)
     assert not dense._linear_supports(layer32, x32)
+    invariant = ReplicatedLinear(192, 320, params_dtype=torch.bfloat16)
+    invariant.batch_invariant = True  # what batch-invariant mode sets on every linear
+    assert not dense._linear_supports(invariant, x32.bfloat16())
