@@ -12,6 +12,7 @@ methods) or None (dense weights); with "gguf" the GGUF loader yields raw blocks 
 that the layers' methods keep. This module never selects a platform.
 
 ``kv_cache_bytes_per_token(config, dtype)`` is what the engine sizes its KV cache with.
+``checkpoint_dtype(model)`` is a local checkpoint's own precision (what ``dtype="auto"`` keeps).
 
 This module knows nothing about scheduling or KV-cache allocation.
 """
@@ -19,6 +20,7 @@ This module knows nothing about scheduling or KV-cache allocation.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from kiln.model_executor.layers.linear import QuantizationConfig
-from kiln.model_executor.loader import ModelLoader, get_loader
+from kiln.model_executor.loader import ModelLoader, get_loader, resolve_model_ref
 from kiln.model_executor.loader.gguf_loader import GGUFLoader
 from kiln.model_executor.models.llama import config_dict
 from kiln.model_executor.registry import resolve_model_cls
@@ -165,6 +167,30 @@ def resolve_quant_config(
     quant_config = platform.get_quant_config(method, get_current_config())
     check_implements(type(quant_config), QuantizationConfig)
     return quant_config
+
+
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(model: str | None, load_format: str = "auto") -> str | None:
+    """The precision a checkpoint was saved in, one of ``CHECKPOINT_DTYPES``: its config's
+    ``torch_dtype`` (``dtype`` where newer transformers writes that; a float GGUF file's
+    embedding type). None where it names none, for a quantized GGUF file (no float precision
+    to keep), or where ``model`` is no local file or folder: a hub id is not downloaded just for
+    this (its load fetches it later).
+
+    Raises:
+        ValueError: no loader reads ``model`` (as its load would).
+    """
+    model_ref = resolve_model_ref(model)
+    if not os.path.exists(model_ref):
+        return None
+    loader = get_loader(model_ref, load_format)
+    if is_quantized_gguf(loader, model_ref):
+        return None
+    hf_config = loader.load_hf_config(model_ref)
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return name if name in CHECKPOINT_DTYPES else None
 
 
 def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:

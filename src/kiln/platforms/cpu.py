@@ -38,7 +38,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
-    # dtype="auto" is resolved in check_and_update_config: bfloat16 where the CPU has native bf16.
+    # dtype="auto" (auto_dtype): a half-precision checkpoint's own dtype, else preferred_dtype.
     supported_dtypes = ("float32", "bfloat16", "float16")
     supported_quantization = ()
     supports_graph_capture = False
@@ -66,13 +66,17 @@ class CpuPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, config: KilnConfig) -> KilnConfig:
         if config.model.dtype == "auto":
-            # bf16 matmuls run ~4x faster than fp32 where the CPU has bf16 instructions; elsewhere
-            # they are emulated and slower, so fp32 stays the default there.
-            fast_bf16 = "bfloat16" in cls.supported_dtypes and has_native_bf16()
-            config = config.replace(model__dtype="bfloat16" if fast_bf16 else "float32")
+            config = config.replace(model__dtype=cls.auto_dtype(config))
         if config.model.batch_invariant:
             _check_batch_invariant(config)
         return super().check_and_update_config(config)
+
+    @classmethod
+    def preferred_dtype(cls, config: KilnConfig) -> str:
+        # bf16 matmuls run ~4x faster than fp32 where the CPU has bf16 instructions; elsewhere
+        # they are emulated and slower, so fp32 stays the default there.
+        fast_bf16 = "bfloat16" in cls.supported_dtypes and has_native_bf16()
+        return "bfloat16" if fast_bf16 else "float32"
 
     @classmethod
     def register_ops(cls) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.model_executor.custom_op import register_impl
+from kiln.model_executor.custom_op import is_capturing, register_impl
 from kiln.model_executor.layers.linear import UnquantizedLinearMethod
 
 PROVIDER = "onednn"
@@ -55,12 +55,13 @@ def _is_dense_bf16(x: torch.Tensor, weight: Any) -> bool:
 
 
 def _linear_supports(op: Any, x: torch.Tensor) -> bool:
-    # Only dense weights: a quantized method owns its own product. Not under torch.compile: the
-    # cached packed copy cannot be traced, and the compiler packs weights itself (freezing).
+    # Only dense weights: a quantized method owns its own product. Not in a graph being captured:
+    # the packed copy is an opaque oneDNN tensor without storage, which neither torch.compile nor
+    # torch.jit.trace can hold ("Unsupported value kind: Tensor"); the graph records F.linear.
     return (
         type(op.quant_method) is UnquantizedLinearMethod
         and _is_dense_bf16(x, getattr(op, "weight", None))
-        and not torch.compiler.is_compiling()
+        and not is_capturing()
     )
 
 
@@ -70,7 +71,7 @@ def linear_onednn(op: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _logits_supports(op: Any, lm_head: Any, hidden_states: torch.Tensor) -> bool:
-    return _is_dense_bf16(hidden_states, getattr(lm_head, "weight", None))
+    return _is_dense_bf16(hidden_states, getattr(lm_head, "weight", None)) and not is_capturing()
 
 
 def logits_onednn(op: Any, lm_head: Any, hidden_states: torch.Tensor) -> torch.Tensor:

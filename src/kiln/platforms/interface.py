@@ -14,6 +14,7 @@ backwards compatible (new methods get defaults here).
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,6 +27,8 @@ from kiln.plugins.interfaces import CLASS_FIELDS
 if TYPE_CHECKING:
     from kiln.config import KilnConfig
     from kiln.model_executor.layers.linear import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 PLATFORM_API_VERSION = "1.0"
 """The version of this contract. Bump MAJOR for breaking changes, MINOR for additions."""
@@ -50,7 +53,7 @@ class Platform:
 
     # -- capabilities, as data ----------------------------------------------------------------
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
-    """Compute dtypes, preferred first (the first is what ``dtype="auto"`` takes)."""
+    """Compute dtypes, preferred first (the first is ``preferred_dtype``'s default)."""
     supported_quantization: ClassVar[tuple[str, ...]] = ()
     """Weight quantization methods it keeps quantized in memory, among "gguf" (a GGUF file's
     blocks), "int8" and "int4" (a float model quantized on load); ``get_quant_config`` supplies
@@ -179,7 +182,7 @@ class Platform:
                 args = (config,) if spec.takes_config else ()
                 changes[f"device__{name}"] = factory(*args)
         if config.model.dtype == "auto":
-            changes["model__dtype"] = cls.supported_dtypes[0]
+            changes["model__dtype"] = cls.auto_dtype(config)
         elif config.model.dtype not in cls.supported_dtypes:
             raise ValueError(
                 f"model.dtype={config.model.dtype!r} is not supported on platform {cls.name!r}; "
@@ -194,6 +197,37 @@ class Platform:
                 f"allowed: {['auto', 'none', *cls.supported_quantization]}"
             )
         return config.replace(**changes) if changes else config
+
+    @classmethod
+    def preferred_dtype(cls, config: KilnConfig) -> str:
+        """The compute dtype this platform runs best, which ``dtype="auto"`` takes for a float32
+        checkpoint or one that names no dtype: ``supported_dtypes[0]`` unless overridden."""
+        return cls.supported_dtypes[0]
+
+    @classmethod
+    def auto_dtype(cls, config: KilnConfig) -> str:
+        """What ``dtype="auto"`` means for ``config``'s model here, as in vLLM: a bfloat16 or
+        float16 checkpoint keeps its precision; a float32 one (or one naming none: a quantized
+        GGUF file) runs in ``preferred_dtype``. A checkpoint dtype that is not in
+        ``supported_dtypes`` also gets ``preferred_dtype``. Logs the choice where it is not the
+        checkpoint's own dtype.
+
+        Raises:
+            ValueError: no loader reads the model.
+        """
+        from kiln.model_executor.model_loader import checkpoint_dtype
+
+        saved = checkpoint_dtype(config.model.model, config.model.load_format)
+        preferred = cls.preferred_dtype(config)
+        if saved in ("bfloat16", "float16") and saved in cls.supported_dtypes:
+            return saved
+        if saved is not None and saved != preferred:
+            if saved in cls.supported_dtypes:  # float32: halved, as vLLM halves it
+                why = f"as vLLM runs float32 checkpoints; --dtype {saved} keeps it"
+            else:
+                why = f"platform {cls.name!r} runs only {list(cls.supported_dtypes)}"
+            logger.info("dtype auto: the checkpoint is %s; running %s (%s)", saved, preferred, why)
+        return preferred
 
     # -- factories: dotted paths, resolved lazily by the core ---------------------------------
     @classmethod

@@ -11,7 +11,8 @@ oneDNN bf16 matmuls, the CPU paged-attention backend) through the public Platfor
 - ``get_quant_config``: weights kept quantized ("gguf", "int8", "int4"), through
   ``kiln_x86.linear_methods``;
 - ``get_attn_backend_cls``: paged attention over the KV cache in place (``kiln_x86.attention``);
-- ``register_ops``: the reference platform's ops, then the fused x86 ones (``kiln_x86.ops``),
+- ``register_ops``: the reference platform's ops, then the fused x86 ones (``kiln_x86.ops``)
+  and the dense bf16 linear that a trace records (``kiln_x86.dense``),
   registered for device type ``cpu`` only in processes where this platform was selected, so the
   reference ``--platform cpu`` never runs them; and the reference's ``cpu`` config section, whose
   ``num_threads`` stands in for an unset ``x86.num_threads``.
@@ -237,11 +238,13 @@ class X86Platform(CpuPlatform):
     @classmethod
     def register_ops(cls) -> None:
         from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+        from kiln_x86.dense import register_dense_ops
         from kiln_x86.lora import register_x86_lora
         from kiln_x86.ops import register_x86_ops
 
         super().register_ops()
         register_x86_ops()
+        register_dense_ops()
         register_x86_lora()
         # Accept the reference platform's section too, so that its documented
         # --plugin-config '{"cpu": {"num_threads": N}}' keeps working where x86 is selected.
