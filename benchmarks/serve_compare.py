@@ -21,6 +21,10 @@ and Kiln's ratios to each peer.
   takes its platform's default (with kiln-x86: one thread on machines below 4 cores).
 - Kiln and vLLM compute in the same dtype (``--dtype``; auto: bfloat16 on a CPU with native bf16,
   else float32), the fastest one for both on that CPU.
+- The roofline (``kiln.bench.roofline``): before any engine starts, the machine's read bandwidth
+  and matrix rates are measured; the report then gives, per workload, the machine's bound on
+  output tok/s and on one request's TTFT for each engine's weights (the GGUF's bytes for Kiln and
+  llama.cpp, dense ``--dtype`` ones for vLLM), and the fraction of it each engine reached.
 
     .venv/bin/python benchmarks/serve_compare.py [--engines kiln,vllm,llama] [--json-out FILE]
 
@@ -43,6 +47,8 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from kiln.bench.roofline import Machine, ModelShape, measure_machine, workload_bound
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -288,6 +294,41 @@ def bench_engine(engine: Engine, args: argparse.Namespace, log_dir: str) -> dict
         stop(process)
 
 
+def engine_models(engines: list[str], dtype: str) -> dict[str, ModelShape]:
+    """Each engine's model as the roofline sees it: the default GGUF's weights, or dense ones in
+    ``dtype`` for vLLM (which serves a Hugging Face folder of them)."""
+    gguf = ModelShape.from_gguf(default_gguf())
+    dense = gguf.with_weight_bytes(4 if dtype == "float32" else 2)
+    return {name: dense if name == "vllm" else gguf for name in engines}
+
+
+def format_roofline(
+    results: dict[str, dict],
+    workloads: list[Workload],
+    machine: Machine,
+    models: dict[str, ModelShape],
+) -> str:
+    """Per workload and engine: the machine's bound and the fraction of it reached."""
+    rows = [
+        f"Roofline: {machine.describe()}",
+        "| engine | workload | bound tok/s (limit) | reached | TTFT bound ms (alone) "
+        "| median TTFT / bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        for w in workloads:
+            r = result["runs"][w.label]
+            b = workload_bound(
+                machine, models[name], w.concurrency, w.input_len, w.output_len, w.num_prompts
+            )
+            rows.append(
+                f"| {name} | {w.label} | {b.output_tok_s:.0f} ({b.limit}) "
+                f"| {r['output_throughput'] / b.output_tok_s:.0%} | {b.ttft_ms:.0f} "
+                f"| {r['median_ttft_ms'] / b.ttft_ms:.1f}x |"
+            )
+    return "\n".join(rows)
+
+
 def format_report(results: dict[str, dict], workloads: list[Workload]) -> str:
     rows = [
         "| engine | workload | output tok/s | mean TTFT ms | median TTFT ms | mean TPOT ms "
@@ -430,13 +471,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.dtype} for Kiln and vLLM; {ncpu} cores, load average "
         f"{os.getloadavg()[0]:.2f} before the run"
     )
+    machine = measure_machine()  # before any engine starts: the machine idle
+    print(f"this machine: {machine.describe()}")
     results = {engine.name: bench_engine(engine, args, log_dir) for engine in plan}
     print()
     print(format_report(results, args.workloads))
+    print()
+    print(format_roofline(results, args.workloads, machine, engine_models(engines, args.dtype)))
     if args.json_out:
         settings = {**vars(args), "workloads": [w.label for w in args.workloads]}
+        roofline = {"bandwidth_gbs": machine.bandwidth_gbs, "peak_gflops": machine.peak_gflops}
         with open(args.json_out, "w") as f:
-            json.dump({"settings": settings, "results": results}, f, indent=2)
+            json.dump({"settings": settings, "machine": roofline, "results": results}, f, indent=2)
         print(f"\nresults written to {args.json_out}")
     return 0
 
