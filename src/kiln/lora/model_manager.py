@@ -215,7 +215,11 @@ class LoRAModelManager:
             [-1 if lora is None else slot_of.get(lora.lora_int_id, -1) for lora in loras],
             dtype=np.int64,
         )
-        self.step.mapping = LoRAMapping(np.repeat(per_req, num_scheduled), self.device)
+        # Every adapter of the step failed: the step is the base model's.
+        has_adapter = bool(slot_of)
+        self.step.mapping = (
+            LoRAMapping(np.repeat(per_req, num_scheduled), self.device) if has_adapter else None
+        )
         return {
             req_id: errors[lora.lora_int_id]
             for req_id, lora in zip(req_ids, loras, strict=True)
