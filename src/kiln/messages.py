@@ -104,6 +104,12 @@ class EngineDeadError(RuntimeError):
     """The engine core process died or failed; no request can complete."""
 
 
+class RequestFailedError(ValueError):
+    """The engine failed one request for a reason of its own (finish reason "error": its LoRA
+    adapter would not load, its grammar did not compile); the others go on. The message is for
+    the request's client (the API answers it as a 400)."""
+
+
 @dataclass
 class NewRequestData:
     """A request the runner has no state for: new, or resumed after preemption."""
@@ -173,6 +179,10 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] = field(default_factory=list)
     """Speculative decoding: per request in ``req_ids`` order, the drafts proposed for its next
     step ([] for none); empty when the runner does not speculate."""
+    failed_requests: dict[str, str] = field(default_factory=dict)
+    """Requests that failed in this step for a reason of their own (their LoRA adapter would
+    not load), with the reason for their client (no path, no traceback). Their tokens are
+    meaningless: the scheduler finishes them with finish reason "error"."""
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

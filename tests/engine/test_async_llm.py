@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 
@@ -68,16 +69,7 @@ def test_a_killed_engine_core_fails_every_waiting_caller():
         llm = await _start()
         try:
             params = SamplingParams(max_tokens=2000, ignore_eos=True)
-
-            async def drain(request_id: str) -> None:
-                async for _ in llm.generate("Tell me a story.", params, request_id):
-                    pass
-
-            tasks = [asyncio.ensure_future(drain(f"r{i}")) for i in range(3)]
-            for _ in range(300):
-                await asyncio.sleep(0.1)
-                if llm.stats.totals.num_running == 3:
-                    break
+            tasks = await _start_running(llm, params, 3)
             assert llm.stats.totals.kv_cache_usage > 0
             os.kill(llm.client.pid, signal.SIGKILL)
             results = await asyncio.wait_for(
@@ -96,3 +88,42 @@ def test_a_killed_engine_core_fails_every_waiting_caller():
             llm.shutdown()
 
     asyncio.run(main())
+
+
+async def _start_running(llm: AsyncLLM, params: SamplingParams, num: int) -> list[asyncio.Task]:
+    """``num`` requests that iterate to their end, once the engine reports them running."""
+
+    async def drain(request_id: str) -> None:
+        async for _ in llm.generate("Tell me a story.", params, request_id):
+            pass
+
+    tasks = [asyncio.ensure_future(drain(f"r{i}")) for i in range(num)]
+    for _ in range(300):
+        await asyncio.sleep(0.1)
+        if llm.stats.totals.num_running == num:
+            break
+    return tasks
+
+
+def test_a_dead_output_reader_fails_every_waiting_caller(caplog: pytest.LogCaptureFixture):
+    """The client's output reader dies (here: its socket is closed under it): that is logged
+    with the reason and handled as a dead engine, instead of every request hanging."""
+
+    async def main() -> None:
+        llm = await _start()
+        try:
+            tasks = await _start_running(llm, SamplingParams(max_tokens=2000, ignore_eos=True), 2)
+            llm.client._output.close()
+            results = await asyncio.wait_for(
+                asyncio.gather(*tasks, return_exceptions=True), timeout=30
+            )
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert all("output reader" in str(r) for r in results), results
+            assert llm.is_dead
+            await asyncio.wait_for(llm.wait_until_dead(), timeout=5)
+        finally:
+            llm.shutdown()
+
+    with caplog.at_level(logging.ERROR, logger="kiln.engine.core_client"):
+        asyncio.run(main())
+    assert any("output reader" in record.getMessage() for record in caplog.records)

@@ -123,3 +123,41 @@ def test_lora_request_needs_enable_lora(tiny_base, gguf_path, adapters):
             plain.generate([PROMPTS[0]], GREEDY, lora_request=_lora(adapters[0], 0))
     finally:
         plain.llm_engine.shutdown()
+
+
+def test_an_adapter_removed_after_admission_fails_its_requests_only(llm, adapters, tmp_path):
+    """The folder goes away between the front end's check and the worker's load (a training job
+    rewriting it, a reload after an eviction): its request finishes with finish reason "error"
+    and a message without the path; the rest of the batch and later steps are unaffected, and
+    the failed step's blocks are not shared once the folder is back."""
+    folder = tmp_path / "victim"
+    shutil.copytree(adapters[2].path, folder)
+    victim = LoRARequest("victim", 20, str(folder))
+    prompt = list(range(1, 40))  # two full blocks of 16: the failed step computes them
+    engine = llm.llm_engine
+    engine.add_request("victim", prompt, GREEDY, lora_request=victim)
+    engine.add_request("base", prompt, GREEDY)
+    engine.add_request("a0", PROMPTS[0], GREEDY, lora_request=_lora(adapters[0], 0))
+    weights = folder / "adapter_model.safetensors"
+    saved = weights.read_bytes()
+    weights.unlink()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    failed = finished["victim"].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "'victim'" in failed.stop_reason and str(tmp_path) not in failed.stop_reason
+    for request_id, prompt_ids, lora in (
+        ("base", prompt, None),
+        ("a0", PROMPTS[0], _lora(adapters[0], 0)),
+    ):
+        completion = finished[request_id].outputs[0]
+        assert completion.finish_reason == "length", request_id
+        assert list(completion.token_ids) == _run(llm, [prompt_ids], lora)[0][0], request_id
+
+    weights.write_bytes(saved)  # the folder is back: the same adapter id runs, from scratch
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=victim)[0]
+    assert again.num_cached_tokens == 0
+    same_weights = _run(llm, [prompt], _lora(adapters[2], 2))
+    _same(_run(llm, [prompt], victim), same_weights, "victim once its folder is back")
+    assert list(again.outputs[0].token_ids) == same_weights[0][0]

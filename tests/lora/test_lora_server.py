@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import platform
 import shutil
@@ -200,3 +201,66 @@ def test_a_name_in_use_is_refused(http, adapters):
         response = http.post("/v1/load_lora_adapter", json={**body, "lora_name": name})
         assert response.status_code == 400, name
         assert "already been loaded" in response.json()["error"]["message"]
+
+
+def _load_copy(http: httpx.Client, adapter, folder: pathlib.Path, name: str) -> pathlib.Path:
+    """Load a copy of ``adapter``'s folder as ``name``; returns its weights file."""
+    shutil.copytree(adapter.path, folder)
+    response = http.post(
+        "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}
+    )
+    assert response.status_code == 200, response.text
+    return folder / "adapter_model.safetensors"
+
+
+def _assert_request_error(error: dict, folder: pathlib.Path) -> None:
+    """An OpenAI error body that names the adapter and carries no path or traceback."""
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == 400 and error["type"] == "BadRequestError", error
+    assert "'victim" in error["message"], error
+    assert str(folder) not in error["message"] and "Traceback" not in error["message"], error
+
+
+def _assert_still_serving(server, http: httpx.Client, expected) -> None:
+    assert http.get("/health").status_code == 200
+    response = _complete(http, _base_name(http))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected[None]
+    assert server.proc.poll() is None
+
+
+def test_an_adapter_whose_files_were_removed_fails_only_its_requests(
+    server, http, adapters, expected, tmp_path
+):
+    folder = tmp_path / "victim"
+    weights = _load_copy(http, adapters[1], folder, "victim")
+    assert _complete(http, "victim").json()["choices"][0]["text"] == expected["a1"]
+    weights.unlink()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="victim", prompt=PROMPT, max_tokens=4, stream=stream)
+        _assert_request_error(refused.value.body, folder)
+        assert refused.value.body["param"] == "model"
+    _assert_still_serving(server, http, expected)
+
+
+def test_adapter_files_that_fail_in_the_worker_fail_only_their_requests(
+    server, http, adapters, expected, tmp_path
+):
+    """The weights file is corrupted in place with its size and mtime kept, so the front end's
+    check (cached by them) lets the requests through and the worker's load fails: the request
+    gets a 400 (a stream: an error event), and the engine goes on."""
+    weights = _load_copy(http, adapters[2], tmp_path / "victim", "victim-late")
+    stat = weights.stat()
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 8)  # the header's length: far past the end of the file
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    body = {"model": "victim-late", "prompt": PROMPT, "max_tokens": 4}
+    events = stream_events(http, "/v1/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]" and "error" in events[-2], events
+    _assert_request_error(events[-2]["error"], tmp_path)
+    response = http.post("/v1/completions", json=body)
+    _assert_request_error(response.json()["error"], tmp_path)
+    assert response.status_code == 400
+    _assert_still_serving(server, http, expected)

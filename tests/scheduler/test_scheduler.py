@@ -372,6 +372,30 @@ def test_abort_waiting_and_running_requests_frees_every_block():
     assert scheduler.schedule().finished_req_ids == {"r0", "r2"}
 
 
+def test_a_request_the_step_failed_finishes_with_an_error_and_shares_no_block():
+    """``ModelRunnerOutput.failed_requests`` (its LoRA adapter would not load): that request
+    finishes with finish reason "error" and the message; the others go on, and the blocks the
+    failed step computed for it leave the prefix cache."""
+    scheduler = make_scheduler()
+    runner = FakeRunner()
+    for i in range(2):
+        scheduler.add_request(make_request(f"r{i}", distinct_prompt(i, 12), max_tokens=3))
+    so = scheduler.schedule()
+    output = runner.execute(so)
+    output.failed_requests = {"r0": "adapter 'x' failed to load"}
+    outputs = {o.request_id: o for o in scheduler.update_from_output(so, output).outputs}
+    failed = outputs["r0"]
+    assert failed.finish_reason == FinishReason.ERROR and failed.new_token_ids == []
+    assert failed.stop_reason == "adapter 'x' failed to load"
+    assert outputs["r1"].new_token_ids and not outputs["r1"].finished
+    assert scheduler.get_request_counts() == (1, 0)
+    kv = scheduler.kv_cache_manager
+    assert kv.get_computed_blocks(make_request("again", distinct_prompt(0, 12))).blocks == []
+    assert len(kv.get_computed_blocks(make_request("same", distinct_prompt(1, 12))).blocks) == 2
+    tokens, finished, _ = run_all(scheduler, runner)
+    assert finished["r1"].finish_reason == FinishReason.LENGTH and len(tokens["r1"]) == 2
+
+
 def test_request_too_large_is_ignored_without_blocking_others():
     scheduler = make_scheduler(max_model_len=32)
     runner = FakeRunner()

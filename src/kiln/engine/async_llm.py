@@ -9,9 +9,11 @@ answer an error status before its response starts) and returns an async iterator
 disconnects) aborts the request in the engine core and frees its KV
 blocks. ``abort(request_id)`` from elsewhere (a server shutting
 down) ends that request's ``generate()`` with a last output whose unfinished completions have
-finish_reason ``"abort"``. One background task reads engine-core outputs, runs the output processor
-and hands each output to its request's queue, yielding to the event loop between slices of a
-large step. If the engine core dies, every waiting ``generate()`` raises ``EngineDeadError``,
+finish_reason ``"abort"``. A request the engine failed on its own (finish reason ``"error"``:
+its adapter, its grammar) raises ``RequestFailedError`` from its iterator. One background task
+reads engine-core outputs, runs the output processor and hands each output to its request's
+queue, yielding to the event loop between slices of a large step. If the engine core dies
+(or the client's output reader does), every waiting ``generate()`` raises ``EngineDeadError``,
 the gauges read zero and ``wait_until_dead()`` returns.
 
 ``max_num_waiting`` counts the requests the scheduler reports waiting plus those sent since its
@@ -31,7 +33,7 @@ from kiln.engine.core_client import AsyncMPClient
 from kiln.engine.frontend import Frontend
 from kiln.engine.input_processor import PromptType
 from kiln.engine.stats import IterationStats, StatsRecorder
-from kiln.messages import EngineCoreRequest, EngineDeadError, FinishReason
+from kiln.messages import EngineCoreRequest, EngineDeadError, FinishReason, RequestFailedError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -128,6 +130,9 @@ class AsyncLLM:
             ValueError: invalid prompt or params, or ``request_id`` already running.
             QueueFullError: ``scheduler.max_num_waiting`` requests are already waiting.
             EngineDeadError: the engine core died (also raised while iterating).
+
+        Raises (when iterating):
+            RequestFailedError: the engine failed this request (finish reason "error").
         """
         self.client._check_alive()
         if self.is_queue_full():
@@ -161,6 +166,9 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                error = next((c for c in item.outputs if c.finish_reason == "error"), None)
+                if error is not None:  # its siblings (n > 1) are aborted below
+                    raise RequestFailedError(str(error.stop_reason))
                 finished = item.finished
                 yield item
         finally:

@@ -8,6 +8,12 @@ sends an abort to the engine that has the request, and yields every engine's
 any dies (or a step fails), ``get_output`` raises ``EngineDeadError`` for every waiting caller and
 every later call, so nothing hangs.
 
+Supervision: the client's background tasks (the process watcher, the output reader) are
+watched; if one fails or stops while the client is not shutting down, the reason is logged and
+the client is dead, exactly as for a dead engine (``/health`` answers 503 and the server exits).
+A frame on the output socket that is not ``[outputs, EngineCoreOutputs]`` of a known engine (a
+version skew, a bug, a local process writing to the socket) is logged and dropped, never fatal.
+
 Sockets: one PULL socket that every engine pushes its outputs to, and one PUSH socket per engine
 for its inputs.
 """
@@ -16,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
 import tempfile
 import uuid
+from collections.abc import Coroutine
 from multiprocessing.connection import wait as wait_for_sentinels
+from typing import Any
 
 import msgspec
 import zmq
@@ -45,6 +54,15 @@ logger = logging.getLogger(__name__)
 
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _encoder = msgspec.msgpack.Encoder()
+DROPPED_FRAMES_LOGGED = 10
+"""Malformed output frames logged one by one; after them, one in ``DROPPED_FRAMES_LOG_EVERY``."""
+DROPPED_FRAMES_LOG_EVERY = 1000
+
+
+def _describe(frames: list[bytes]) -> str:
+    """What a message of unexpected shape looks like, for the log."""
+    kind = frames[0][:16] if frames else b""
+    return f"{len(frames)} part(s), kind {kind!r}"
 
 
 class AsyncMPClient:
@@ -78,6 +96,8 @@ class AsyncMPClient:
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self.num_dropped_frames = 0
+        """Frames on the output socket that did not decode (see ``_decode``)."""
         self.engine_of: dict[str, int] = {}
         """Engine index of every unfinished engine-core request."""
         self.num_unfinished = [0] * self.num_engines
@@ -102,8 +122,7 @@ class AsyncMPClient:
             )
             process.start()
             self._processes.append(process)
-        watcher = asyncio.ensure_future(self._watch_processes())
-        self._tasks.append(watcher)
+        watcher = self._supervise(self._watch_processes(), "engine process watcher")
         readies: dict[int, ReadyMessage] = {}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -119,16 +138,14 @@ class AsyncMPClient:
                 self.shutdown()
                 reason = self.dead_error or "timeout"
                 raise EngineDeadError(f"the engine core did not start: {reason}")
-            kind, payload = receive.result()
-            if kind == ERROR:
-                error = msgspec.msgpack.decode(payload, type=StartupError).error
+            message = self._decode_startup(receive.result())
+            if isinstance(message, StartupError):
                 self.shutdown()
-                raise EngineDeadError(f"the engine core failed to start:\n{error}")
-            assert kind == READY, kind
-            ready = msgspec.msgpack.decode(payload, type=ReadyMessage)
-            readies[ready.engine_index] = ready
+                raise EngineDeadError(f"the engine core failed to start:\n{message.error}")
+            if message is not None:
+                readies[message.engine_index] = message
         self.readies = [readies[i] for i in range(self.num_engines)]
-        self._tasks.append(asyncio.ensure_future(self._read_outputs()))
+        self._supervise(self._read_outputs(), "output reader")
         return self.readies[0]
 
     @property
@@ -204,12 +221,31 @@ class AsyncMPClient:
             logger.error("engine core is dead: %s", reason)
         self._outputs.put_nowait(None)
 
+    def _supervise(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
+        """Run ``coro`` as a background task whose failure or end, unless the client is
+        shutting down, marks the client dead (logged with the reason)."""
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(functools.partial(self._on_task_done, name))
+        self._tasks.append(task)
+        return task
+
+    def _on_task_done(self, name: str, task: asyncio.Task) -> None:
+        if self._closing or self.dead_error is not None:
+            return
+        if task.cancelled():
+            reason = f"the {name} was cancelled"
+        elif (exc := task.exception()) is not None:
+            logger.error("the %s failed", name, exc_info=exc)
+            reason = f"the {name} failed: {type(exc).__name__}: {exc}"
+        else:
+            reason = f"the {name} stopped"
+        self._mark_dead(reason)
+
     async def _read_outputs(self) -> None:
         while True:
-            kind, payload = await self._output.recv_multipart()
-            if kind != OUTPUTS:
+            outputs = self._decode(await self._output.recv_multipart())
+            if outputs is None:
                 continue
-            outputs = _outputs_decoder.decode(payload)
             if outputs.error is not None:
                 self._mark_dead(f"engine {outputs.engine_index}: a step failed:\n{outputs.error}")
                 return
@@ -217,6 +253,50 @@ class AsyncMPClient:
                 if output.finished:
                     self._forget(output.request_id)
             self._outputs.put_nowait(outputs)
+
+    def _decode_startup(self, frames: list[bytes]) -> ReadyMessage | StartupError | None:
+        """An engine's ``ready`` or ``error`` message, or None for any other frames (logged)."""
+        kinds = {READY: ReadyMessage, ERROR: StartupError}
+        if len(frames) == 2 and frames[0] in kinds:
+            try:
+                message = msgspec.msgpack.decode(frames[1], type=kinds[frames[0]])
+            except msgspec.DecodeError as exc:
+                self._drop_frame(f"undecodable: {exc}")
+                return None
+            if isinstance(message, StartupError) or 0 <= message.engine_index < self.num_engines:
+                return message
+            self._drop_frame(f"ready from engine {message.engine_index}")
+            return None
+        self._drop_frame(_describe(frames))
+        return None
+
+    def _decode(self, frames: list[bytes]) -> EngineCoreOutputs | None:
+        """The outputs in ``frames``, or None for frames that are not ``[outputs,
+        EngineCoreOutputs]`` of one of the engines (logged: the first few, then one in
+        ``DROPPED_FRAMES_LOG_EVERY``)."""
+        if len(frames) != 2 or frames[0] != OUTPUTS:
+            reason = _describe(frames)
+        else:
+            try:
+                outputs = _outputs_decoder.decode(frames[1])
+            except msgspec.DecodeError as exc:  # ValidationError included
+                reason = f"undecodable: {exc}"
+            else:
+                if 0 <= outputs.engine_index < self.num_engines:
+                    return outputs
+                reason = f"engine_index {outputs.engine_index} of {self.num_engines} engines"
+        self._drop_frame(reason)
+        return None
+
+    def _drop_frame(self, reason: str) -> None:
+        self.num_dropped_frames += 1
+        count = self.num_dropped_frames
+        if count <= DROPPED_FRAMES_LOGGED or count % DROPPED_FRAMES_LOG_EVERY == 0:
+            logger.warning(
+                "dropped a malformed frame from the engine core's output socket (%s; %d so far)",
+                reason[:200],
+                count,
+            )
 
     async def _watch_processes(self) -> None:
         """Mark the client dead as soon as any engine process exits."""

@@ -11,6 +11,11 @@ slots (evicting the least recently used adapter no request of the step needs) an
 step's ``LoRAMapping`` (every token's slot, ``-1`` for a base-model token), which every layer
 shares. A step without adapters adds nothing and costs nothing.
 
+An adapter that fails to load (its folder was removed or rewritten since the front end checked
+it) fails the step's requests that name it, and only those: ``set_active_loras`` returns them
+with the reason, they run this step on the base model (the scheduler discards their tokens and
+finishes them with an error), and the slot keeps what it held. Nothing else in the step changes.
+
 Contract with the scheduler: a step names at most ``max_loras`` distinct adapters (the scheduler
 holds back requests for another one). Tensor parallelism is refused (``ValueError``): the slots
 are not sharded yet. Graphs: the runner runs the model eagerly when LoRA is on (a step's slots
@@ -22,6 +27,7 @@ This module knows nothing about scheduling or HTTP; adapters come from their fol
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +40,8 @@ from kiln.lora.peft import LORA_MODULES, LoRAAdapter, load_adapter
 from kiln.lora.request import LoRARequest
 from kiln.model_executor.layers.linear import LinearBase
 from kiln.model_executor.layers.lora import LoRAApply, LoRAMapping
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,12 +176,16 @@ class LoRAModelManager:
     def remove_request(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
-    def set_active_loras(self, req_ids: list[str], num_scheduled: np.ndarray) -> None:
+    def set_active_loras(self, req_ids: list[str], num_scheduled: np.ndarray) -> dict[str, str]:
         """Prepare the step: ``req_ids`` in the batch's order, ``num_scheduled`` [num_reqs] their
         tokens (back to back, as the model sees them).
 
+        Returns:
+            ``{req_id: why}`` for the requests whose adapter failed to load (see the module
+            docstring); empty when every adapter is in its slot.
+
         Side effects: loads adapters into slots (reading their folders); sets
-        ``step.mapping``.
+        ``step.mapping``; logs each adapter that failed to load, with its folder.
 
         Raises:
             RuntimeError: the step names more than ``max_loras`` adapters (a scheduler bug).
@@ -182,23 +194,37 @@ class LoRAModelManager:
         needed = {lora.lora_int_id: lora for lora in loras if lora is not None}
         if not needed:
             self.step.mapping = None
-            return
+            return {}
         if len(needed) > self.max_loras:
             raise RuntimeError(
                 f"a step names {len(needed)} LoRA adapters, more than max_loras={self.max_loras}"
             )
         self._num_steps += 1
         slot_of = {}
+        errors: dict[int, str] = {}
         for lora_id, lora in needed.items():
             if lora_id not in self.slot_lora_ids:
-                self._load(lora, self._free_slot(needed))
+                error = self._load(lora, self._free_slot(needed))
+                if error is not None:
+                    errors[lora_id] = error
+                    continue
             slot = self.slot_lora_ids.index(lora_id)
             slot_of[lora_id] = slot
             self._slot_last_used[slot] = self._num_steps
         per_req = np.array(
-            [-1 if lora is None else slot_of[lora.lora_int_id] for lora in loras], dtype=np.int64
+            [-1 if lora is None else slot_of.get(lora.lora_int_id, -1) for lora in loras],
+            dtype=np.int64,
         )
-        self.step.mapping = LoRAMapping(np.repeat(per_req, num_scheduled), self.device)
+        # Every adapter of the step failed: the step is the base model's.
+        has_adapter = bool(slot_of)
+        self.step.mapping = (
+            LoRAMapping(np.repeat(per_req, num_scheduled), self.device) if has_adapter else None
+        )
+        return {
+            req_id: errors[lora.lora_int_id]
+            for req_id, lora in zip(req_ids, loras, strict=True)
+            if lora is not None and lora.lora_int_id in errors
+        }
 
     def _free_slot(self, needed: dict[int, LoRARequest]) -> int:
         """An empty slot, else the least recently used one whose adapter the step does not
@@ -208,16 +234,27 @@ class LoRAModelManager:
         candidates = [s for s, i in enumerate(self.slot_lora_ids) if i not in needed]
         return min(candidates, key=lambda s: self._slot_last_used[s])
 
-    def _load(self, lora: LoRARequest, slot: int) -> None:
-        adapter: LoRAAdapter = load_adapter(
-            lora.lora_path, lora.lora_name, self.hf_config, self.max_rank
-        )
+    def _load(self, lora: LoRARequest, slot: int) -> str | None:
+        """Load ``lora`` into ``slot``; returns why it failed (no path in it), else None."""
+        try:
+            adapter: LoRAAdapter = load_adapter(
+                lora.lora_path, lora.lora_name, self.hf_config, self.max_rank
+            )
+        except Exception as exc:  # the adapter's files: gone, truncated, rewritten
+            logger.error(
+                "LoRA adapter %r (%s) failed to load", lora.lora_name, lora.lora_path, exc_info=exc
+            )
+            if isinstance(exc, ValueError):  # peft's own checks: messages without paths
+                return str(exc)
+            return f"LoRA adapter {lora.lora_name!r} failed to load ({type(exc).__name__})"
+        self.slot_lora_ids[slot] = None  # until every layer holds the new adapter
         with torch.no_grad():
             for name, layer in self.layers.items():
                 prefix = name.rpartition(".")[0]
                 weights = [adapter.weights.get(f"{prefix}.{p}") for p in layer.projections]
                 layer.set_slot(slot, weights, adapter.config.scaling)
         self.slot_lora_ids[slot] = lora.lora_int_id
+        return None
 
 
 __all__ = ["LoRALinear", "LoRAModelManager", "LoRAStep"]

@@ -76,16 +76,22 @@ def read_adapter_config(path: str, name: str, max_rank: int) -> AdapterConfig:
     """Read and check ``path``'s ``adapter_config.json``.
 
     Raises:
-        ValueError: no such folder or file, or a setting Kiln does not serve (see module doc).
+        ValueError: no such folder or file, a config that is no JSON, or a setting Kiln does
+            not serve (see module doc). No message holds the path.
     """
     config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        # NOTE: no path in the message: requests that name the adapter get it too.
         raise ValueError(
-            f"LoRA adapter {name!r}: lora_path {path!r} is not a PEFT adapter folder; allowed: a "
-            f"folder with {CONFIG_FILE} and {WEIGHTS_FILE}"
+            f"LoRA adapter {name!r}: lora_path is not a PEFT adapter folder (no {missing[0]}); "
+            f"allowed: a folder with {CONFIG_FILE} and {WEIGHTS_FILE}"
         )
-    with open(config_path, encoding="utf-8") as f:
-        raw = json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise _unreadable(name, CONFIG_FILE, exc) from None
     peft_type = raw.get("peft_type", "LORA")
     unsupported = {
         "peft_type": peft_type != "LORA",
@@ -151,7 +157,11 @@ def check_adapter(path: str, name: str, hf_config: dict[str, Any], max_rank: int
     shapes = projection_shapes(hf_config)
     num_layers = int(hf_config["num_hidden_layers"])
     found: dict[str, set[str]] = {}
-    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
+    try:
+        weights = safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt")
+    except Exception as exc:  # OSError, or safetensors' own error for a bad header
+        raise _unreadable(name, WEIGHTS_FILE, exc) from None
+    with weights as f:
         for tensor_name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
             module, part = _module_name(tensor_name)
             projection = module.rsplit(".", 1)[-1]
@@ -185,6 +195,15 @@ def check_adapter(path: str, name: str, hf_config: dict[str, Any], max_rank: int
     return config
 
 
+def _unreadable(name: str, file: str, exc: Exception) -> ValueError:
+    """The error for an adapter file that cannot be read: the reason's kind, not its text (which
+    may hold the path)."""
+    return ValueError(
+        f"LoRA adapter {name!r}: {file} cannot be read ({type(exc).__name__}); allowed: a PEFT "
+        "adapter folder as peft's save_pretrained writes it"
+    )
+
+
 def _parent(projection: str) -> str:
     return "mlp" if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn"
 
@@ -193,12 +212,16 @@ def load_adapter(path: str, name: str, hf_config: dict[str, Any], max_rank: int)
     """Check the adapter (``check_adapter``) and read its weights (float32, on CPU).
 
     Raises:
-        ValueError: see ``check_adapter``.
+        ValueError: see ``check_adapter``; or the weights cannot be read (the file changed
+            since the check).
     """
     from safetensors.torch import load_file
 
     config = check_adapter(path, name, hf_config, max_rank)
-    tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    try:
+        tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    except Exception as exc:  # changed since the check: gone, truncated, rewritten
+        raise _unreadable(name, WEIGHTS_FILE, exc) from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         module, part = _module_name(tensor_name)
@@ -207,9 +230,23 @@ def load_adapter(path: str, name: str, hf_config: dict[str, Any], max_rank: int)
     return LoRAAdapter(name, config, weights)
 
 
+def files_signature(path: str) -> tuple[int, ...] | None:
+    """``(mtime_ns, size)`` of the adapter's two files, or None when one is missing: it changes
+    when a file is removed or rewritten (a training job saving a new checkpoint)."""
+    signature: tuple[int, ...] = ()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            stat = os.stat(os.path.join(path, file))
+        except OSError:
+            return None
+        signature += (stat.st_mtime_ns, stat.st_size)
+    return signature
+
+
 class AdapterChecker:
     """The front end's check of a ``LoRARequest`` before it reaches the engine, cached per
-    ``(lora_int_id, lora_path)`` (the files are read once).
+    ``(lora_int_id, lora_path)`` while its files' ``files_signature`` stays the same (two
+    ``stat`` calls per request; the files are read again only when they changed).
 
     Args:
         max_rank: ``lora.max_lora_rank``.
@@ -219,16 +256,21 @@ class AdapterChecker:
     def __init__(self, max_rank: int, hf_config: dict[str, Any]) -> None:
         self.max_rank = max_rank
         self.hf_config = hf_config
-        self._checked: set[tuple[int, str]] = set()
+        self._checked: dict[tuple[int, str], tuple[int, ...]] = {}
+        """The files' signature when each adapter last passed the check."""
 
     def __call__(self, lora_request: Any) -> None:
-        """Raises ``ValueError`` for an adapter the engine cannot serve (see ``check_adapter``)."""
+        """Raises ``ValueError`` for an adapter the engine cannot serve (see ``check_adapter``),
+        its files gone or changed into one included."""
         key = (lora_request.lora_int_id, lora_request.lora_path)
-        if key not in self._checked:
+        signature = files_signature(lora_request.lora_path)
+        if signature is None or self._checked.get(key) != signature:
+            self._checked.pop(key, None)
             check_adapter(
                 lora_request.lora_path, lora_request.lora_name, self.hf_config, self.max_rank
             )
-            self._checked.add(key)
+            if signature is not None:
+                self._checked[key] = signature
 
 
 __all__ = [
@@ -237,6 +279,7 @@ __all__ = [
     "AdapterConfig",
     "LoRAAdapter",
     "check_adapter",
+    "files_signature",
     "load_adapter",
     "projection_shapes",
     "read_adapter_config",

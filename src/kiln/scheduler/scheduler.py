@@ -371,9 +371,12 @@ class Scheduler(SchedulerInterface):
             An ``EngineCoreOutput`` per request that got a token or finished (ignored requests
             included), and the ``SchedulerStats``.
 
-        Side effects: advances ``num_computed_tokens``; appends tokens; frees finished requests.
+        Side effects: advances ``num_computed_tokens``; appends tokens; frees finished requests;
+        finishes the requests the step failed (``failed_requests``) with finish reason "error".
         Requests finished while the step ran (aborted) are skipped.
         """
+        if model_runner_output.failed_requests:
+            self._fail_requests(model_runner_output.failed_requests)
         outputs = list(self._ignored.values())
         self._ignored.clear()
         sampled_token_ids = model_runner_output.sampled_token_ids
@@ -466,12 +469,29 @@ class Scheduler(SchedulerInterface):
             request.status = RequestStatus.WAITING
             self.waiting.add(request, self._keys[request.request_id])
         for request, error in failed:
-            logger.error("request %s failed: %s", request.request_id, error)
-            request.status = RequestStatus.FINISHED_ERROR
-            self._ignored[request.request_id] = EngineCoreOutput(
-                request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error
-            )
-            self._free_request(request)
+            self._fail(request, error)
+
+    def _fail_requests(self, errors: dict[str, str]) -> None:
+        """Finish the running requests that failed in the step (``ModelRunnerOutput.
+        failed_requests``) with finish reason "error". The step's blocks of each leave the
+        prefix cache: they do not hold what their hashes say."""
+        for request_id, error in errors.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished while the step ran
+            self.kv_cache_manager.uncache(request, request.num_computed_tokens)
+            self._fail(request, error)
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    def _fail(self, request: Request, error: str) -> None:
+        """Finish ``request`` with finish reason "error" and ``error`` in ``stop_reason`` (its
+        output goes out with the next ``update_from_output``); frees its blocks."""
+        logger.error("request %s failed: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._ignored[request.request_id] = EngineCoreOutput(
+            request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error
+        )
+        self._free_request(request)
 
     def _num_lookahead(self, num_tokens: int) -> int:
         """Lookahead slots for a request with ``num_tokens`` scheduled or computed: within the

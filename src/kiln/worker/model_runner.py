@@ -175,8 +175,11 @@ class ModelRunner(ModelRunnerBase):
             spec_tokens = scheduler_output.scheduled_spec_decode_tokens
             drafts = self.speculator.write_drafts(batch, rows, spec_tokens)
         input_ids, positions, common = self._prepare_inputs(rows, num_scheduled)
+        failed_requests: dict[str, str] = {}
         if self.lora_manager is not None:
-            self.lora_manager.set_active_loras([batch.req_ids[row] for row in rows], num_scheduled)
+            failed_requests = self.lora_manager.set_active_loras(
+                [batch.req_ids[row] for row in rows], num_scheduled
+            )
         attn_metadata = self.metadata_builder.build(common)
         # Each request's logits rows: its last position, or with drafts its last 1 + k.
         num_positions = np.ones(len(rows), dtype=np.int64)
@@ -283,6 +286,7 @@ class ModelRunner(ModelRunnerBase):
                 if self.speculator is not None
                 else []
             ),
+            failed_requests=failed_requests,
         )
 
     def _follow_last_stage(self, rows: list[int], num_scheduled: np.ndarray) -> ModelRunnerOutput:

@@ -76,6 +76,25 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def ipc_dirs(pid: int) -> set[str]:
+    """Directories of the unix sockets ``pid`` has bound (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    dirs = set()
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and "/kiln-" in fields[7]:
+                dirs.add(os.path.dirname(fields[7]))
+    return dirs
+
+
 class KilnServer:
     """``kiln serve`` with ``args``; ``url`` once ``/health`` answers 200."""
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_utils import BASE_ARGS, KilnServer, engine_core_pid, is_running
+from serve_utils import BASE_ARGS, KilnServer, engine_core_pid, ipc_dirs, is_running
 
 pytestmark = pytest.mark.slow
 
@@ -20,31 +20,12 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "st
 EXIT_DEADLINE_S = 10
 
 
-def _ipc_dirs(pid: int) -> set[str]:
-    """Directories of the unix sockets ``pid`` has bound (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    dirs = set()
-    with open("/proc/net/unix") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            if len(fields) >= 8 and fields[6] in inodes and "/kiln-" in fields[7]:
-                dirs.add(os.path.dirname(fields[7]))
-    return dirs
-
-
 def test_engine_core_exits_when_the_server_is_killed_mid_generation(model_path: str) -> None:
     server = KilnServer([*BASE_ARGS, "--max-num-seqs", "8"])
     engine = engine_core_pid(server.proc.pid)
     try:
-        ipc_dirs = _ipc_dirs(server.proc.pid)
-        assert ipc_dirs and all(os.path.isdir(d) for d in ipc_dirs)
+        sockets = ipc_dirs(server.proc.pid)
+        assert sockets and all(os.path.isdir(d) for d in sockets)
         http = httpx.Client(base_url=server.url, timeout=30)
         streams = []
         for _ in range(8):
@@ -59,7 +40,7 @@ def test_engine_core_exits_when_the_server_is_killed_mid_generation(model_path: 
         while is_running(engine) and time.monotonic() - killed < EXIT_DEADLINE_S:
             time.sleep(0.1)
         assert not is_running(engine), "the engine core outlived its API server"
-        assert not [d for d in ipc_dirs if os.path.exists(d)], "socket directory left behind"
+        assert not [d for d in sockets if os.path.exists(d)], "socket directory left behind"
         for response in streams:
             response.close()
         http.close()

@@ -163,14 +163,25 @@ class OpenAIServing:
         """The LoRA adapter ``model`` names (None: the base model, or no ``model``).
 
         Raises:
-            OpenAIError: 404 when ``model`` is neither the served model nor a loaded adapter.
+            OpenAIError: 404 when ``model`` is neither the served model nor a loaded adapter;
+                400 when the adapter's files no longer pass the check (removed or rewritten
+                since it was loaded).
         """
         if model is None or model == self.state.model_name:
             return None
         lora_request = self.state.lora_requests.get(model)
         if lora_request is None:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
+        self.check_lora(lora_request, "model")
         return lora_request
+
+    def check_lora(self, lora_request: LoRARequest, param: str) -> None:
+        """Raises a 400 naming ``param`` unless the engine can serve the adapter (its files are
+        read again only when they changed; see ``kiln.lora.peft.AdapterChecker``)."""
+        try:
+            self.frontend.input_processor.check_lora(lora_request)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=param) from None
 
     def model_name(self, lora_request: LoRARequest | None) -> str:
         """A response's ``model``: the adapter the request named, else the served model (as

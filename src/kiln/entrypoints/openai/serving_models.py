@@ -76,12 +76,12 @@ class OpenAIServingModels(OpenAIServing):
             OpenAIError: 400 for a name in use or an adapter the engine cannot serve.
         """
         lora_request = self._new_lora(name, path)
-        self._check_lora(lora_request)
+        self.check_lora(lora_request, "lora_path")
         return self._register(lora_request)
 
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
         lora_request = self._new_lora(request.lora_name, request.lora_path)
-        await self.run_in_worker(self._check_lora, lora_request)
+        await self.run_in_worker(self.check_lora, lora_request, "lora_path")
         self._register(lora_request)
         return f"Success: LoRA adapter '{request.lora_name}' added successfully."
 
@@ -100,12 +100,6 @@ class OpenAIServingModels(OpenAIServing):
             raise OpenAIError(
                 f"The lora adapter '{name}' has already been loaded.", param="lora_name"
             )
-
-    def _check_lora(self, lora_request: LoRARequest) -> None:
-        try:
-            self.frontend.input_processor.check_lora(lora_request)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="lora_path") from None
 
     def _register(self, lora_request: LoRARequest) -> LoRARequest:
         self._check_name_free(lora_request.lora_name)  # another load may have taken it meanwhile

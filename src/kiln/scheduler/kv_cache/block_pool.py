@@ -151,6 +151,12 @@ class BlockPool:
         self._cached_blocks[block_hash] = block
         return True
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop ``blocks`` from the cache (those not cached are skipped); they stay held."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (held blocks keep their contents but are no longer shared).
 

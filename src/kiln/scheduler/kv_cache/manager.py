@@ -207,6 +207,15 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def uncache(self, request: Request, num_tokens_kept: int) -> None:
+        """Drop from the prefix cache the request's blocks past its first ``num_tokens_kept``
+        tokens (the step that computed them failed for it: nobody may share what they hold).
+
+        Side effects: those blocks lose their hashes, also for other requests holding them.
+        """
+        blocks = self._req_to_blocks.get(request.request_id, [])
+        self.block_pool.uncache_blocks(blocks[num_tokens_kept // self.block_size :])
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix. Returns the number of blocks dropped from the cache.
 
