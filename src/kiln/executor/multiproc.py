@@ -108,7 +108,10 @@ class MultiprocExecutor(MultiRankExecutor):
     def initialize(self) -> None:
         # An offline LLM may be dropped without shutdown: stop its workers at exit all the same.
         atexit.register(self.shutdown)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # A file store in this executor's private directory, not a TCP store: torch's TCPStore
+        # listens on every interface (and has no authentication); the ranks share this node.
+        init_method = f"file://{self.ipc_dir}/store"
+        env = {**os.environ, **loopback_gloo_env()}
         for rank in range(self.world_size):
             push = self.ctx.socket(zmq.PUSH)
             push.bind(f"ipc://{self.ipc_dir}/in-{rank}")
@@ -124,6 +127,7 @@ class MultiprocExecutor(MultiRankExecutor):
             proc = subprocess.Popen(
                 [sys.executable, "-c", "from kiln.executor.multiproc import main; main()"],
                 stdin=subprocess.PIPE,
+                env=env,
             )
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(start))
@@ -289,10 +293,14 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_gloo_env() -> dict[str, str]:
+    """The environment that makes gloo bind its sockets on the loopback interface (by default it
+    takes the address the host name resolves to), for ranks that all run on this node; empty
+    where the user chose an interface (``GLOO_SOCKET_IFNAME``) or there is no ``lo``."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    names = {name for _, name in socket.if_nameindex()}
+    return {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in names else {}
 
 
 class WorkerProc:
@@ -404,6 +412,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerProc",
     "WorkerStart",
+    "loopback_gloo_env",
     "main",
     "start_worker",
 ]

@@ -8,9 +8,11 @@ Contract:
   has not) and starts one actor (``RayWorker``) in each. With data parallelism each engine's
   ranks share one node (STRICT_PACK), engine ``i``'s the ``i``-th of the nodes (by node id) with
   a CPU per rank, wrapping around: each engine has its own node while there are as many.
-  Rank 0's actor names its node's address and a free port there, the torch.distributed
-  rendezvous every rank joins; then each rank runs the platform's worker class
-  (``start_worker``, as the multiprocess executor does) and loads its part of the model. All
+  Rank 0's actor names the torch.distributed rendezvous every rank joins: with every rank on
+  one node, a file store in a private directory there (and gloo on loopback); across nodes, its
+  node's address and a free port there (never a wildcard bind); then each rank runs the
+  platform's worker class (``start_worker``, as the multiprocess executor does) and loads its
+  part of the model. All
   of it within ``START_TIMEOUT_S``; a rank that fails to start fails ``initialize`` with its
   traceback, and everything is released.
 - Each call goes to every rank: its arguments are put in the object store once and the same
@@ -38,7 +40,10 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
+import socket
+import tempfile
 import threading
 import time
 from typing import Any
@@ -51,6 +56,7 @@ from kiln.executor.multiproc import (
     SHUTDOWN_GRACE_S,
     WORKER_START_TIMEOUT_S,
     WorkerDiedError,
+    loopback_gloo_env,
     start_worker,
 )
 from kiln.messages import ModelRunnerOutput, SchedulerOutput
@@ -77,6 +83,8 @@ class RayWorker:
         self.config, self.rank = config, rank
         self.is_output_rank = rank == output_rank(config)
         self.worker: Any = None
+        self.store_dir: str | None = None
+        """Rank 0 on one node: the directory of the rendezvous file store."""
         logging.basicConfig(
             level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s"
         )
@@ -87,18 +95,26 @@ class RayWorker:
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        """A TCP port free on this actor's node (the rendezvous, when this is rank 0)."""
-        import socket
+    def rendezvous(self, is_one_node: bool) -> str:
+        """The torch.distributed init method every rank joins (asked of rank 0's actor): on one
+        node, a file store in a private directory of this node (torch's TCPStore would listen on
+        every interface); across nodes, a TCP port free on this node's own address."""
+        import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        if is_one_node:
+            self.store_dir = tempfile.mkdtemp(prefix="kiln-ray-")
+            return f"file://{self.store_dir}/store"
+        address = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+            return f"tcp://{address}:{s.getsockname()[1]}"
 
     def ping(self) -> None:
         """Nothing: the answer (or Ray's ``RayActorError``) tells the executor the actor lives."""
 
-    def start(self, local_rank: int, distributed_init_method: str) -> None:
+    def start(self, local_rank: int, distributed_init_method: str, is_one_node: bool) -> None:
+        if is_one_node:  # gloo's sockets on loopback: the ranks need no other interface
+            os.environ.update(loopback_gloo_env())
         self.worker = start_worker(self.config, self.rank, local_rank, distributed_init_method)
 
     def call(self, method: str, args: tuple) -> Any:
@@ -106,6 +122,8 @@ class RayWorker:
         if method not in CALLS:
             raise ValueError(f"call={method!r} is invalid; allowed: {list(CALLS)}")
         result = getattr(self.worker, method)(*args)
+        if method == "shutdown" and self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
         return None if method == "execute_model" and not self.is_output_rank else result
 
 
@@ -157,11 +175,12 @@ class RayExecutor(MultiRankExecutor):
             deadline = time.monotonic() + START_TIMEOUT_S
             nodes = self._get([actor.node.remote() for actor in self.actors], "start", deadline)
             self.node_ids = [node_id for node_id, _ in nodes]
-            port = self._get([self.actors[0].free_port.remote()], "start", deadline)[0]
-            init_method = f"tcp://{nodes[0][1]}:{port}"
+            is_one_node = len(set(self.node_ids)) == 1
+            rendezvous = self.actors[0].rendezvous.remote(is_one_node)
+            init_method = self._get([rendezvous], "start", deadline)[0]
             local_ranks = [self.node_ids[:rank].count(n) for rank, n in enumerate(self.node_ids)]
             starts = [
-                actor.start.remote(local_rank, init_method)
+                actor.start.remote(local_rank, init_method, is_one_node)
                 for actor, local_rank in zip(self.actors, local_ranks, strict=True)
             ]
             self._get(starts, "start", deadline)

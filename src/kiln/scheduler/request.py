@@ -130,6 +130,10 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last_token_id
                 return True
+        if is_grammar_done:
+            # Nothing may follow a complete grammar, whatever ignore_eos says (as vLLM).
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or (
             self.num_tokens >= max_model_len
         ):

@@ -17,7 +17,8 @@ Each ``schedule()`` hands out ``{request_id: num_new_tokens}`` under ``max_num_b
 
 ``update_from_output()`` advances ``num_computed_tokens`` by what was scheduled, appends sampled
 tokens and checks stops in this order: EOS (unless ``ignore_eos``), ``stop_token_ids`` (both only
-once ``min_tokens`` are out), ``max_tokens``, then the context length. Stop *strings* are the front
+once ``min_tokens`` are out), a complete grammar (its stop token accepted: it stops the request
+even with ``ignore_eos``), ``max_tokens``, then the context length. Stop *strings* are the front
 end's: it aborts the request through ``finish_requests``. Logprobs come from the runner complete
 and per request; the scheduler only routes them into the request's output (prompt logprobs with
 its first token).

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.satisfiable import UnsatisfiableGrammarError, ends_rule
 
 BACKENDS = ("xgrammar", "guidance")
 
@@ -162,13 +163,24 @@ class XGrammarBackend:
         kind = params.kind
         try:
             if kind in ("json", "json_object"):
-                xgrammar.Grammar.from_json_schema(json.dumps(_schema(params)))
+                grammar = xgrammar.Grammar.from_json_schema(json.dumps(_schema(params)))
             elif kind == "regex":
-                xgrammar.Grammar.from_regex(params.regex)
+                grammar = xgrammar.Grammar.from_regex(params.regex)
             elif kind == "grammar":
-                xgrammar.Grammar.from_ebnf(params.grammar)
+                grammar = xgrammar.Grammar.from_ebnf(params.grammar)
+            else:
+                return  # choices: literals, always complete
         except RuntimeError as exc:
-            raise ValueError(f"{_field(params)} is invalid: {_xgrammar_message(exc)}") from None
+            message = _xgrammar_message(exc)
+            if "Circular $ref" in message:  # no base case: no backend can complete it
+                raise UnsatisfiableGrammarError(f"{_field(params)} is invalid: {message}") from None
+            raise ValueError(f"{_field(params)} is invalid: {message}") from None
+        rule = ends_rule(str(grammar))
+        if rule is not None:
+            raise UnsatisfiableGrammarError(
+                f"{_field(params)} is invalid: no finite output satisfies it (every alternative "
+                f"of rule {rule!r} needs a rule that never ends, such as itself)"
+            )
 
 
 # xgrammar 0.2.9 writes a string with minLength / maxLength as characters of this class, which
@@ -327,6 +339,8 @@ def choose_backend(params: StructuredOutputsParams, configured: str) -> str:
     try:
         XGrammarBackend.validate(params)
         return "xgrammar"
+    except UnsatisfiableGrammarError:
+        raise
     except ValueError as xgrammar_error:
         try:
             GuidanceBackend.validate(params)

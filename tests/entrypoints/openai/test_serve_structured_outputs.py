@@ -11,6 +11,10 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from serve_utils import KilnServer
+
+SELF_REQUIRING = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+"""A JSON schema whose every object needs another inside it: no finite JSON satisfies it."""
 
 
 class Country(BaseModel):
@@ -103,6 +107,19 @@ def test_regex_and_choice_are_obeyed_for_n2_with_sampling(
         ({"structured_outputs": {"regex": "a+("}}, "structured_outputs.regex"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+        # Issue 26 item 6: grammars no finite output satisfies (on main: 200 with empty text).
+        ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"grammar": 'root ::= "a" x\nx ::= "b" x'}}, "never ends"),
+        ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SELF_REQUIRING},
+                }
+            },
+            "structured_outputs.json",
+        ),
     ],
 )
 def test_a_bad_spec_is_a_400_before_streaming(http: httpx.Client, body: dict, named: str) -> None:
@@ -114,3 +131,21 @@ def test_a_bad_spec_is_a_400_before_streaming(http: httpx.Client, body: dict, na
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert named in error["message"], error
+
+
+def test_a_complete_grammar_stops_the_request_despite_ignore_eos(
+    client: openai.OpenAI, model_name: str, server: KilnServer
+) -> None:
+    """Issue 26 item 6: with ``ignore_eos`` the tokens after a complete grammar were appended
+    ("yes\nsystem...") with an error logged for each; now the request stops there."""
+    before = server.output().count("not allowed by its grammar")
+    completion = client.completions.create(
+        model=model_name,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=24,
+        extra_body={"structured_outputs": {"choice": ["yes"]}, "ignore_eos": True},
+    )
+    choice = completion.choices[0]
+    assert (choice.text, choice.finish_reason) == ("yes", "stop")
+    assert completion.usage is not None and completion.usage.completion_tokens < 24
+    assert server.output().count("not allowed by its grammar") == before

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.entrypoints.openai.tool_parsers import (
     TOOL_PARSER_REGISTRY,
     DeltaMessage,
@@ -14,6 +15,7 @@ from kiln.entrypoints.openai.tool_parsers import (
     ToolParserOptions,
     resolve_tool_parser,
 )
+from kiln.entrypoints.openai.tool_parsers.json_scan import DEFAULT_MAX_DEPTH
 from kiln.entrypoints.openai.tool_parsers.llama3_json import RequiredCallsParser
 from kiln.plugins.registry import registering_as
 from kiln.reasoning import (
@@ -21,6 +23,8 @@ from kiln.reasoning import (
     ReasoningParser,
     resolve_reasoning_parser,
 )
+from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer, load_tokenizer
 
 HERMES_TWO_CALLS = (
     "Let me look that up.\n"
@@ -229,3 +233,69 @@ def test_plugins_register_parsers_by_name(monkeypatch: pytest.MonkeyPatch) -> No
         resolve_tool_parser("not_a_parser")
     with pytest.raises(ValueError, match=r"registered: \[.*'hermes'"):
         resolve_tool_parser("nope")
+
+
+DEEP = 1100
+"""Nesting past Python's recursion limit: ``json.loads`` of it raises ``RecursionError``."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path: str) -> Tokenizer:
+    return load_tokenizer(gguf_path)
+
+
+def stream_tokens(parser: ToolParser, tokenizer: Tokenizer, text: str) -> DeltaMessage:
+    """``text`` as the default model's tokens, detokenized one by one as the server streams."""
+    detokenizer = IncrementalDetokenizer(tokenizer, SamplingParams())
+    merged = DeltaMessage()
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    for i, token_id in enumerate(token_ids):
+        detokenizer.update([token_id], finished=i == len(token_ids) - 1)
+        delta = detokenizer.get_next_output_text(finished=False, delta=True)
+        merged.extend(parser.extract_tool_calls_streaming(delta))
+    merged.extend(parser.finish())
+    return merged
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        '{"name": "f", "arguments": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + "}",
+        '{"name": ' + "[" * DEEP + "]" * DEEP + ', "arguments": {}}',
+        '{"name": "f", "arguments": "' + "[" * DEEP + "]" * DEEP + '"}',  # as JSON text
+        '{"name": "f", "arguments": "\\x"}',  # an escape JSON does not have
+    ],
+    ids=["deep-arguments", "deep-name", "deep-arguments-text", "bad-escape"],
+)
+def test_hermes_call_that_does_not_parse_is_content(tokenizer: Tokenizer, call: str) -> None:
+    """Issue 26 item 5: a call too deep for ``json.loads`` raised ``RecursionError`` (a 500 after
+    the whole generation). Whole: the text is content; streamed token by token: no error, and no
+    complete call (a call whose name was streamed cannot be taken back: the rest is dropped)."""
+    text = f"Sure.<tool_call>\n{call}\n</tool_call>"
+    result = resolve_tool_parser("hermes")().extract_tool_calls(text)
+    assert not result.tools_called and result.content == text
+    merged = stream_tokens(resolve_tool_parser("hermes")(), tokenizer, text)
+    if merged.tool_calls:
+        assert not any(_parses(piece.arguments) for piece in merged.tool_calls)
+    else:
+        assert merged.content == text
+
+
+def _parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def test_hermes_nesting_within_the_bound_is_a_call(tokenizer: Tokenizer) -> None:
+    depth = DEFAULT_MAX_DEPTH
+    arguments = '{"a": ' * (depth - 1) + "[1]" + "}" * (depth - 1)
+    text = '<tool_call>{"name": "f", "arguments": ' + arguments + "}</tool_call>"
+    (call,) = resolve_tool_parser("hermes")().extract_tool_calls(text).tool_calls
+    assert call.arguments == arguments
+    (piece,) = stream_tokens(resolve_tool_parser("hermes")(), tokenizer, text).tool_calls
+    assert piece.arguments == arguments
+    deeper = text.replace("[1]", "[[1]]")
+    assert not resolve_tool_parser("hermes")().extract_tool_calls(deeper).tools_called

@@ -152,9 +152,10 @@ class ToolParser:
 
 
 def _is_json_object(text: str) -> bool:
+    # RecursionError: arguments written as a JSON string are not depth-checked by the scanner.
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -200,6 +201,8 @@ class _Call:
             return None, rest
         if self.name is not None:
             delta.arguments = self._new_arguments()
+            if self.is_bad:
+                return None, rest
         if delta.name is None and not delta.arguments:
             return None, rest
         return delta, rest
@@ -213,7 +216,11 @@ class _Call:
         if raw.startswith('"'):  # arguments written as a JSON string: sent whole, decoded
             if not scanner.is_closed(key) or self.sent:
                 return ""
-            decoded = json.loads(raw)
+            try:
+                decoded = json.loads(raw)
+            except ValueError:  # an escape JSON does not have
+                self.is_bad = True
+                return ""
             self._mark_sent(len(raw))
             return decoded if isinstance(decoded, str) else ""
         new = raw[self.sent :]

@@ -7,7 +7,9 @@ is linear in its length however it is split. It does not build values: callers c
 they need (a tool's name, its arguments as the model wrote them) and ``json.loads`` them.
 
 It checks the structure (brackets, strings, ``key: value`` pairs), not the grammar of numbers
-and literals: ``json.loads`` of a span does that.
+and literals: ``json.loads`` of a span does that. Values nested deeper than ``max_depth``
+containers make the object malformed, so ``json.loads`` of a span never recurses past it (deep
+enough text makes it raise ``RecursionError``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 from dataclasses import dataclass, field
 
 _WHITESPACE = " \t\n\r"
+DEFAULT_MAX_DEPTH = 128
+"""The most containers a top-level value may nest (``{"a": {"b": 1}}``: 2 for ``a``'s value)."""
 
 
 @dataclass
@@ -38,7 +42,8 @@ class ObjectScanner:
     end: int | None = None
     """The index just past the closing ``}``, once it came."""
     is_malformed: bool = False
-    """The text cannot be a JSON object (scanning stopped)."""
+    """The text cannot be a JSON object, or nests too deep (scanning stopped)."""
+    max_depth: int = DEFAULT_MAX_DEPTH
     _state: str = "open"
     _depth: int = 0
     _in_string: bool = False
@@ -80,6 +85,8 @@ class ObjectScanner:
                 self._in_string = True
             elif char in "{[":
                 self._depth += 1
+                if self._depth > self.max_depth:
+                    self._fail()
             elif char in "}]":
                 self._depth -= 1
                 if self._depth == 0:
@@ -159,4 +166,4 @@ class ObjectScanner:
         return span is not None and span.end is not None
 
 
-__all__ = ["ObjectScanner", "ValueSpan"]
+__all__ = ["DEFAULT_MAX_DEPTH", "ObjectScanner", "ValueSpan"]
