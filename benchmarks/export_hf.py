@@ -18,6 +18,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from kiln.entrypoints.export_tokenizer import write_tokenizer
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.tokenizer import load_tokenizer
 
@@ -57,11 +58,7 @@ def export_hf(out_dir: str, gguf: str | None = None, dtype: str = "float32") -> 
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    tokenizer = load_tokenizer(loader.tokenizer_source(model_ref))
-    hf_tokenizer = tokenizer.hf_tokenizer
-    if isinstance(tokenizer.chat_template, str):
-        hf_tokenizer.chat_template = tokenizer.chat_template
-    hf_tokenizer.save_pretrained(out_dir)
+    write_tokenizer(load_tokenizer(loader.tokenizer_source(model_ref)), out_dir)
     return out_dir
 
 

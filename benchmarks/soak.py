@@ -8,8 +8,8 @@ abandoned on purpose: a stream is closed after 0-3 events, a whole answer is giv
 random 0-300 ms.
 
 While it runs it samples, every ``--sample-interval`` seconds, the resident memory (VmRSS, from
-/proc) of the API server and of its engine core, and ``kiln:kv_cache_usage_perc``,
-``kiln:num_requests_running`` and ``kiln:num_requests_waiting`` from ``/metrics``. At the end it
+/proc) of the API server and of its engine core, and ``vllm:kv_cache_usage_perc``,
+``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` from ``/metrics``. At the end it
 waits (``--drain-timeout``) for the engine to go idle and reports whether the KV cache is back to
 0, memory growth, and errors by kind. A request counts as an error when it was not abandoned
 and did not end well: an HTTP error, a timeout, a transport error, an error event inside a
@@ -274,7 +274,7 @@ async def run_one(client: httpx.AsyncClient, plan: Plan, timeout: float) -> str:
 # ---------------------------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-GAUGES = ("kiln:kv_cache_usage_perc", "kiln:num_requests_running", "kiln:num_requests_waiting")
+GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
@@ -453,9 +453,9 @@ async def soak(args: argparse.Namespace, base_url: str, server_pid: int | None) 
                 requests_done=done,
                 api_rss_mib=rss_mib(server_pid),
                 engine_rss_mib=rss_mib(engine_pid),
-                kv_usage=values.get("kiln:kv_cache_usage_perc"),
-                running=values.get("kiln:num_requests_running"),
-                waiting=values.get("kiln:num_requests_waiting"),
+                kv_usage=values.get("vllm:kv_cache_usage_perc"),
+                running=values.get("vllm:num_requests_running"),
+                waiting=values.get("vllm:num_requests_waiting"),
             )
 
         async def sampler() -> None:

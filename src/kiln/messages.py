@@ -66,6 +66,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    scheduled_time: float = 0.0
+    """``time.time()`` when the request was first scheduled, sent once with its first tokens
+    (0 otherwise): where its queue time ends and its prefill begins."""
 
     @property
     def finished(self) -> bool:

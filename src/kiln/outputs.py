@@ -60,6 +60,8 @@ class RequestMetrics:
     """Timings of one request, for TTFT, inter-token latency and end-to-end latency."""
 
     arrival_time: float
+    scheduled_time: float | None = None
+    """When the engine core first scheduled it (sent with its first tokens)."""
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

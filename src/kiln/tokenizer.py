@@ -70,6 +70,12 @@ class Tokenizer:
                 self._bos_fix = "drop"
 
     @property
+    def bos_fix(self) -> str | None:
+        """How ``encode`` differs from ``hf_tokenizer``'s: ``"add"`` (prepends BOS), ``"drop"``
+        (drops the BOS it adds) or None (the same ids)."""
+        return self._bos_fix
+
+    @property
     def bos_token_id(self) -> int | None:
         return self.hf_tokenizer.bos_token_id
 

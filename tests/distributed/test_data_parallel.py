@@ -182,7 +182,7 @@ def _complete(http: httpx.Client, prompt: list[int]) -> str:
 
 def _finished(http: httpx.Client, engine: int, reason: str) -> float:
     return metric(
-        scrape(http), "kiln:request_success_total", engine=str(engine), finished_reason=reason
+        scrape(http), "vllm:request_success_total", engine=str(engine), finished_reason=reason
     )
 
 
@@ -200,11 +200,11 @@ def _open_stream(http: httpx.Client) -> tuple[httpx.Response, Iterator[str]]:
 
 
 def _wait_running(http: httpx.Client, engine: int, expected: int) -> float:
-    """``kiln:num_requests_running`` of ``engine`` once it equals ``expected`` (or at the
+    """``vllm:num_requests_running`` of ``engine`` once it equals ``expected`` (or at the
     deadline: an abort must reach the engine well before a long stream could finish)."""
     deadline = time.monotonic() + ABORT_DEADLINE_S
     while True:
-        running = metric(scrape(http), "kiln:num_requests_running", engine=str(engine))
+        running = metric(scrape(http), "vllm:num_requests_running", engine=str(engine))
         if running == expected or time.monotonic() > deadline:
             return running
         time.sleep(0.1)
@@ -234,8 +234,8 @@ def test_requests_go_to_the_least_busy_engine_and_aborts_to_theirs(
     assert (_finished(http, 0, "abort"), _finished(http, 1, "abort")) == (1, 1)
     samples = scrape(http)
     for engine in ("0", "1"):
-        assert metric(samples, "kiln:generation_tokens_total", engine=engine) > 0
-        assert metric(samples, "kiln:e2e_request_latency_seconds_count", engine=engine) > 0
+        assert metric(samples, "vllm:generation_tokens_total", engine=engine) > 0
+        assert metric(samples, "vllm:e2e_request_latency_seconds_count", engine=engine) > 0
 
     # Greedy tokens: as one engine in the test's process (float32, same weights).
     llm = LLM(

@@ -105,14 +105,14 @@ def test_metrics_and_the_stats_line_report_the_drafts(
 ) -> None:
     _complete(client, PROMPTS[0])
     samples = scrape(http)
-    drafts = metric(samples, "kiln:spec_decode_num_drafts_total")
-    draft_tokens = metric(samples, "kiln:spec_decode_num_draft_tokens_total")
-    accepted = metric(samples, "kiln:spec_decode_num_accepted_tokens_total")
+    drafts = metric(samples, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = metric(samples, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(samples, "vllm:spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and 0 < accepted < draft_tokens <= K * drafts, samples
-    rate = metric(samples, "kiln:spec_decode_acceptance_rate")
+    rate = metric(samples, "vllm:spec_decode_acceptance_rate")
     assert rate == pytest.approx(accepted / draft_tokens)
     # Tokens per verifying step: the accepted drafts and one more token each.
-    length = metric(samples, "kiln:spec_decode_mean_accepted_length")
+    length = metric(samples, "vllm:spec_decode_mean_accepted_length")
     assert length == pytest.approx(1 + accepted / drafts)
     # The stats line comes at most every 10 s while the engine works: keep it working.
     deadline = time.monotonic() + 60
@@ -150,6 +150,6 @@ def test_data_parallel_engines_each_speculate_with_their_own_draft(
     expected = [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     for engine in ("0", "1"):
-        drafts = metric(samples, "kiln:spec_decode_num_drafts_total", engine=engine)
-        accepted = metric(samples, "kiln:spec_decode_num_accepted_tokens_total", engine=engine)
+        drafts = metric(samples, "vllm:spec_decode_num_drafts_total", engine=engine)
+        accepted = metric(samples, "vllm:spec_decode_num_accepted_tokens_total", engine=engine)
         assert drafts > 0 and accepted > 0, (engine, samples)

@@ -10,8 +10,9 @@ are gathered into one ``RequestOutput`` of their ``ParentRequest``, completions 
 ``make_abort_output`` builds the last output of a request aborted from outside (its unfinished
 completions with finish_reason ``"abort"``), so every ``RequestOutput`` is made here.
 Each call also returns an ``IterationStats`` (TTFT, inter-token latencies, finished requests'
-latencies and token counts) for the caller's metrics; times are wall-clock (``time.time()``, the
-clock of ``EngineCoreRequest.arrival_time``).
+latencies, their queue / prefill / decode split and token counts) for the caller's metrics;
+times are wall-clock (``time.time()``, the clock of ``EngineCoreRequest.arrival_time`` and of
+``EngineCoreOutput.scheduled_time``).
 
 What it must not know: scheduling, the KV cache, the model. The engine core knows nothing about
 text: stop strings and detokenization live here only.
@@ -208,16 +209,22 @@ class OutputProcessor:
         self, state: RequestState, finish_reason: FinishReason, stats: IterationStats, now: float
     ) -> None:
         del self.request_states[state.request_id]
+        self._record_finished(state, finish_reason, stats, now)
         if state.parent is not None:
             state.parent.child_request_ids.discard(state.request_id)
-        self._record_finished(state, finish_reason, stats, now)
 
     @staticmethod
     def _record_finished(
         state: RequestState, finish_reason: FinishReason, stats: IterationStats, now: float
     ) -> None:
+        """Count ``state`` as finished (and its client request, when it was the last of them).
+        Call before it leaves its parent's ``child_request_ids``."""
         metrics = state.metrics
         metrics.finished_time = now
+        # Each phase ends where the next begins, or at the finish when it was never reached.
+        scheduled = metrics.scheduled_time or now
+        first_token = metrics.first_token_time or now
+        last_token = metrics.last_token_time or now
         stats.finished_requests.append(
             FinishedRequestStats(
                 request_id=state.request_id,
@@ -227,17 +234,31 @@ class OutputProcessor:
                 num_generation_tokens=metrics.num_generation_tokens,
                 time_to_first_token=metrics.time_to_first_token,
                 mean_inter_token_latency=metrics.mean_inter_token_latency,
+                queued_time=max(0.0, scheduled - metrics.arrival_time),
+                prefill_time=max(0.0, first_token - scheduled),
+                decode_time=max(0.0, last_token - first_token),
+                inference_time=max(0.0, last_token - scheduled),
+                max_tokens_param=state.max_tokens,
             )
         )
+        parent = state.parent
+        if parent is None:
+            stats.max_num_generation_tokens.append(metrics.num_generation_tokens)
+            stats.n_params.append(1)
+        elif parent.child_request_ids <= {state.request_id}:
+            stats.max_num_generation_tokens.append(parent.max_num_generation_tokens)
+            stats.n_params.append(parent.n)
 
     @staticmethod
     def _update_stats(
         state: RequestState, output: EngineCoreOutput, stats: IterationStats, now: float
     ) -> None:
+        metrics = state.metrics
+        if output.scheduled_time:
+            metrics.scheduled_time = output.scheduled_time
         num_new_tokens = len(output.new_token_ids)
         if num_new_tokens == 0:
             return
-        metrics = state.metrics
         stats.num_generation_tokens += num_new_tokens
         if metrics.first_token_time is None:
             metrics.first_token_time = now

@@ -104,6 +104,11 @@ class ParentRequest(_SendsPromptLogprobsOnce):
     def first_child(self) -> RequestState:
         return self._children[0]
 
+    @property
+    def max_num_generation_tokens(self) -> int:
+        """The most tokens one child generated so far."""
+        return max(c.metrics.num_generation_tokens for c in self._children)
+
     def completion(self, index: int) -> CompletionOutput:
         """The latest completion output of child ``index`` (empty before its first)."""
         return self._completions[index]
@@ -148,11 +153,14 @@ class ParentRequest(_SendsPromptLogprobsOnce):
 
 
 def _merge_metrics(metrics: list[RequestMetrics], finished: bool) -> RequestMetrics:
-    """A parent's metrics: first arrival and first token, last token, tokens summed."""
+    """A parent's metrics: first arrival, scheduling and first token, last token, tokens
+    summed."""
+    scheduled_times = [m.scheduled_time for m in metrics if m.scheduled_time is not None]
     first_token_times = [m.first_token_time for m in metrics if m.first_token_time is not None]
     last_token_times = [m.last_token_time for m in metrics if m.last_token_time is not None]
     return RequestMetrics(
         arrival_time=min(m.arrival_time for m in metrics),
+        scheduled_time=min(scheduled_times, default=None),
         first_token_time=min(first_token_times, default=None),
         last_token_time=max(last_token_times, default=None),
         finished_time=max(m.finished_time or 0.0 for m in metrics) if finished else None,
@@ -178,6 +186,7 @@ class RequestState(_SendsPromptLogprobsOnce):
         self.prompt_token_ids = request.prompt_token_ids
         self.parent = parent
         self.index = index
+        self.max_tokens = params.max_tokens
         self.output_kind = params.output_kind
         self.num_logprobs = params.logprobs
         self.num_prompt_logprobs = params.prompt_logprobs

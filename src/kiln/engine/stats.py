@@ -32,7 +32,13 @@ logger = logging.getLogger("kiln.engine")
 
 @dataclass
 class FinishedRequestStats:
-    """One finished engine-core request, for the e2e-latency and finish-reason metrics."""
+    """One finished engine-core request, for the latency and finish-reason metrics.
+
+    Its life as vLLM splits it: ``queued_time`` (arrival to first scheduled), then
+    ``inference_time`` (first scheduled to last token) = ``prefill_time`` (to the first token) +
+    ``decode_time`` (first to last token). A phase it never reached lasts 0 and the phase it was
+    in ends at the finish (an abort while waiting is all queue time).
+    """
 
     request_id: str
     finish_reason: FinishReason
@@ -41,6 +47,12 @@ class FinishedRequestStats:
     num_generation_tokens: int
     time_to_first_token: float | None
     mean_inter_token_latency: float | None
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
+    max_tokens_param: int | None = None
+    """The request's ``max_tokens`` (None: up to the context length)."""
 
 
 @dataclass
@@ -54,6 +66,11 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
+    """Per finished client request (all its ``n`` completions done): the most tokens one of its
+    completions generated."""
+    n_params: list[int] = field(default_factory=list)
+    """Per finished client request: its ``n``."""
 
 
 StatsListener = Callable[[SchedulerStats | None, IterationStats | None, int], None]

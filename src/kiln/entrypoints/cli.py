@@ -1,4 +1,4 @@
-"""The ``kiln`` command: ``plugins``, ``serve``, ``bench serve``, ``chat``."""
+"""The ``kiln`` command: ``plugins``, ``serve``, ``bench serve``, ``chat``, ``export-tokenizer``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from kiln.config import KilnConfig
 from kiln.engine.arg_utils import ENGINE_FLAGS, EngineArgs
@@ -83,7 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
-    _add_chat_parser(sub)
+    from kiln.entrypoints import chat, export_tokenizer
+
+    _add_module_command(
+        sub,
+        "chat",
+        chat,
+        help="chat in the terminal with a local model or a running server",
+        description="An interactive, streamed chat. /reset forgets the conversation, /exit leaves.",
+    )
+    _add_module_command(
+        sub,
+        "export-tokenizer",
+        export_tokenizer,
+        help="write the model's tokenizer as a Hugging Face folder (for eval and load tools)",
+        description="Write DIR: MODEL's tokenizer, chat template and config (no weights) as a "
+        "folder that transformers' AutoTokenizer.from_pretrained loads, giving Kiln's token ids "
+        "(for lm-eval, guidellm, aiperf).",
+    )
     return parser
 
 
@@ -92,15 +110,24 @@ def _add_plugin_parser(sub: argparse._SubParsersAction) -> None:
 
     plugin = sub.add_parser("plugin", help="tools for plugin authors")
     plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
-    new = plugin_sub.add_parser(
+    _add_module_command(
+        plugin_sub,
         "new",
+        plugin_new,
         help="write a new platform plugin package that passes the conformance kit",
         description="Write kiln-NAME/: a pyproject with both entry points, a platform with a "
         "config section, a worker, an attention backend, op implementations, the conformance "
         "kit's tests and a README (docs/plugins.md explains each file).",
     )
-    plugin_new.add_cli_args(new)
-    new.set_defaults(func=plugin_new.main)
+
+
+def _add_module_command(
+    sub: argparse._SubParsersAction, name: str, module: Any, help: str, description: str
+) -> None:
+    """Subcommand ``name`` run by ``module.main(args)``, its flags from ``module.add_cli_args``."""
+    parser = sub.add_parser(name, help=help, description=description)
+    module.add_cli_args(parser)
+    parser.set_defaults(func=module.main)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -128,27 +155,15 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmark a running server")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve = bench_sub.add_parser(
+    _add_module_command(
+        bench_sub,
         "serve",
+        bench_serve,
         help="load an OpenAI-compatible server and report throughput and latency",
         description="Stream fixed-length requests (ignore_eos) to an OpenAI-compatible server "
         "under a concurrency limit; report request and token throughput, TTFT, TPOT, ITL and "
         "end-to-end latency (mean, median, p99) as `vllm bench serve` does.",
     )
-    bench_serve.add_cli_args(serve)
-    serve.set_defaults(func=bench_serve.main)
-
-
-def _add_chat_parser(sub: argparse._SubParsersAction) -> None:
-    from kiln.entrypoints import chat
-
-    parser = sub.add_parser(
-        "chat",
-        help="chat in the terminal with a local model or a running server",
-        description="An interactive, streamed chat. /reset forgets the conversation, /exit leaves.",
-    )
-    chat.add_cli_args(parser)
-    parser.set_defaults(func=chat.main)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens found in the prefix cache when first scheduled (-1: not scheduled yet)."""
+    scheduled_time: float = 0.0
+    """``time.time()`` when first scheduled (0: not yet), the clock of ``arrival_time``; the end
+    of its queue time in the server's metrics."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)

@@ -320,8 +320,9 @@ class Scheduler(SchedulerInterface):
             request_id = request.request_id
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first scheduled (not resumed)
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_time = time.time()
             keys = self._keys
             bisect.insort(running, request, key=lambda r: keys[r.request_id])
             new_reqs.append(
@@ -401,8 +402,9 @@ class Scheduler(SchedulerInterface):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
                 self._take_back_rejected(request, len(drafts), len(new_token_ids))
+            is_first_output = request.num_output_tokens == 0
             # A prefill recomputed after a preemption computes prompt logprobs again: sent once.
-            prompt = prompt_logprobs.get(request_id) if request.num_output_tokens == 0 else None
+            prompt = prompt_logprobs.get(request_id) if is_first_output else None
             is_stopped = False
             for i, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
@@ -431,6 +433,7 @@ class Scheduler(SchedulerInterface):
                     finish_reason=request.get_finished_reason() if is_stopped else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    scheduled_time=request.scheduled_time if is_first_output else 0.0,
                 )
             )
             if is_stopped:

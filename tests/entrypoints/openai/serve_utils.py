@@ -205,9 +205,9 @@ def wait_until_idle(http: httpx.Client, timeout: float = 15) -> dict[str, float]
         busy = [
             metric(samples, name)
             for name in (
-                "kiln:num_requests_running",
-                "kiln:num_requests_waiting",
-                "kiln:kv_cache_usage_perc",
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc",
             )
         ]
         if not any(busy) or time.monotonic() > deadline:

@@ -198,7 +198,7 @@ def test_requests_may_share_a_request_id(server: KilnServer) -> None:
 
 
 def test_aborted_requests_are_counted(http: httpx.Client) -> None:
-    name, labels = "kiln:request_success_total", {"finished_reason": "abort"}
+    name, labels = "vllm:request_success_total", {"finished_reason": "abort"}
     before = metric(scrape(http), name, **labels)
     body = {"prompt": "Once", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:

@@ -75,11 +75,11 @@ def test_stream_disconnect_frees_the_engine(http: httpx.Client) -> None:
     response, lines = _open_stream(http, LONG)
     for _ in range(3):
         _next_event(lines)
-    assert metric(scrape(http), "kiln:num_requests_running") == 1
+    assert metric(scrape(http), "vllm:num_requests_running") == 1
     response.close()
     samples = wait_until_idle(http)
-    assert metric(samples, "kiln:num_requests_running") == 0
-    assert metric(samples, "kiln:kv_cache_usage_perc") == 0
+    assert metric(samples, "vllm:num_requests_running") == 0
+    assert metric(samples, "vllm:kv_cache_usage_perc") == 0
     # The engine is free: a short request is served at once.
     body = {"prompt": "Hi", "max_tokens": 2}
     assert http.post("/v1/completions", json=body, timeout=10).status_code == 200
@@ -90,8 +90,8 @@ def test_non_stream_disconnect_frees_the_engine(http: httpx.Client) -> None:
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, timeout=2)
     samples = wait_until_idle(http)
-    assert metric(samples, "kiln:num_requests_running") == 0
-    assert metric(samples, "kiln:num_requests_waiting") == 0
+    assert metric(samples, "vllm:num_requests_running") == 0
+    assert metric(samples, "vllm:num_requests_waiting") == 0
 
 
 def test_full_queue_answers_503(http: httpx.Client) -> None:
@@ -100,9 +100,9 @@ def test_full_queue_answers_503(http: httpx.Client) -> None:
         for _ in range(2):
             streams.append(_open_stream(http, LONG))
             _next_event(streams[-1][1])
-        _wait_for(http, "kiln:num_requests_running", 2)
+        _wait_for(http, "vllm:num_requests_running", 2)
         streams.append(_open_stream(http, LONG))  # waits: no room in the batch
-        _wait_for(http, "kiln:num_requests_waiting", 1)
+        _wait_for(http, "vllm:num_requests_waiting", 1)
         refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1"
@@ -128,7 +128,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones(server: KilnServer) ->
 
     thread = threading.Thread(target=run_short)
     thread.start()
-    _wait_for(http, "kiln:num_requests_running", 2)
+    _wait_for(http, "vllm:num_requests_running", 2)
     signaled = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(1)

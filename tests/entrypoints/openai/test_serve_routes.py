@@ -167,26 +167,26 @@ def test_metrics_count_known_requests(http: httpx.Client, model_name: str) -> No
     def delta(name: str, **extra: str) -> float:
         return metric(after, name, **labels, **extra) - metric(before, name, **labels, **extra)
 
-    assert delta("kiln:prompt_tokens_total") == num_prompt
-    assert delta("kiln:generation_tokens_total") == 3 * 4
-    assert delta("kiln:request_success_total", finished_reason="length") == 3
-    assert delta("kiln:time_to_first_token_seconds_count") == 3
-    assert delta("kiln:e2e_request_latency_seconds_count") == 3
-    assert delta("kiln:inter_token_latency_seconds_count") == 3 * 3
-    assert delta("kiln:prefix_cache_queries_total") >= num_prompt - 3
-    for name in ("kiln:num_requests_running", "kiln:num_requests_waiting"):
+    assert delta("vllm:prompt_tokens_total") == num_prompt
+    assert delta("vllm:generation_tokens_total") == 3 * 4
+    assert delta("vllm:request_success_total", finished_reason="length") == 3
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
+    assert delta("vllm:inter_token_latency_seconds_count") == 3 * 3
+    assert delta("vllm:prefix_cache_queries_total") >= num_prompt - 3
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert metric(after, name, **labels) == 0
-    assert metric(after, "kiln:num_preemptions_total", **labels) == 0
-    assert metric(after, "kiln:request_success_total", finished_reason="abort") >= 0
-    assert metric(after, "kiln:kv_cache_usage_perc", **labels) == 0
+    assert metric(after, "vllm:num_preemptions_total", **labels) == 0
+    assert metric(after, "vllm:request_success_total", finished_reason="abort") >= 0
+    assert metric(after, "vllm:kv_cache_usage_perc", **labels) == 0
 
 
 def test_metrics_is_prometheus_text(server: KilnServer) -> None:
     response = httpx.get(f"{server.url}/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    assert "# TYPE kiln:time_to_first_token_seconds histogram" in response.text
-    assert "# TYPE kiln:prompt_tokens_total counter" in response.text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in response.text
+    assert "# TYPE vllm:prompt_tokens_total counter" in response.text
     assert "_created" not in response.text
 
 

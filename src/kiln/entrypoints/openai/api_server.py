@@ -9,10 +9,10 @@ exit 0. A second signal skips the wait. If the engine core dies, the requests in
 answered (with errors), then the server exits with status 1, so a supervisor restarts it.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
-/health`` (200, or 503 when an engine is dead or the server is shutting down), ``GET /metrics``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /debug/plugins``. With
-``--api-key``, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the key (the routes that run the
-tokenizer or a template). A request body over ``--max-request-body-bytes`` is refused with 413
+/health`` (200, or 503 when an engine is dead or the server is shutting down), ``GET /metrics``
+(and ``HEAD``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /debug/plugins``.
+With ``--api-key``, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the key (the routes that run
+the tokenizer or a template). A request body over ``--max-request-body-bytes`` is refused with 413
 before it is read whole.
 """
 
@@ -185,7 +185,9 @@ def build_app(
     chat = OpenAIServingChat(state)
     models = OpenAIServingModels(state)
     tokenization = OpenAIServingTokenization(state)
-    metrics = ServerMetrics(state.llm.stats, state.model_name)
+    metrics = ServerMetrics(
+        state.llm.stats, state.model_name, state.llm.max_model_len, state.options.metrics_prefix
+    )
     app.state.kiln = state
 
     @app.post("/v1/completions")
@@ -216,7 +218,7 @@ def build_app(
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: as vLLM, for probes
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -371,6 +373,7 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
                 max_n=args.max_n,
                 tools=_tool_options(args),
                 allow_runtime_lora_updating=_allow_runtime_lora_updating(args),
+                metrics_prefix=args.metrics_prefix,
             )
             model_path = resolve_model_ref(config.model.model)
             state = ServerState(llm, llm.model_name, model_path, options=options)

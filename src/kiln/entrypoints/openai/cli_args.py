@@ -14,6 +14,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 """16 MiB: room for a 128k-token prompt as text or token ids, far from what memory fears."""
 DEFAULT_MAX_N = 128
 """OpenAI's cap on ``n``."""
+METRICS_PREFIXES = ("vllm", "kiln")
+"""``--metrics-prefix`` choices; the first is the default."""
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +93,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "KILN_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     )
     g.add_argument(
+        "--metrics-prefix",
+        default=METRICS_PREFIXES[0],
+        choices=METRICS_PREFIXES,
+        help="prefix of the /metrics names: vllm (vLLM's names, which its Grafana dashboards "
+        "query) or kiln (Kiln's earlier names, kiln:...)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=UVICORN_LOG_LEVELS,
@@ -98,4 +107,4 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-__all__ = ["add_server_args"]
+__all__ = ["METRICS_PREFIXES", "add_server_args"]

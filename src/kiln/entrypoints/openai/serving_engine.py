@@ -70,6 +70,8 @@ class ServerOptions:
     ``--reasoning-parser``)."""
     allow_runtime_lora_updating: bool = False
     """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    metrics_prefix: str = "vllm"
+    """The prefix of the ``/metrics`` names (``--metrics-prefix``: vllm or kiln)."""
 
 
 @dataclass
