@@ -20,12 +20,16 @@ def test_the_default_models_shape_and_bytes_per_step():
     assert shape.linear_params == 30 * per_layer + lm_head
     norms = (2 * 30 + 1) * 576 * 4
     assert shape.weight_bytes == 30 * per_layer * 20 // 32 + lm_head * 34 // 32 + norms
+    assert shape.lm_head_params == lm_head
     assert shape.flops_per_token(100) == 2 * shape.linear_params + 4 * 30 * 9 * 64 * 100
+    assert shape.flops_per_token(100, logits=False) == shape.flops_per_token(100) - 2 * lm_head
     assert shape.with_weight_bytes(2).weight_bytes == 2 * shape.linear_params
 
 
 MACHINE = Machine(bandwidth_gbs=10.0, peak_gflops={"float32": 100, "bfloat16": 400, "int8": 200})
-TINY = ModelShape(num_layers=1, num_heads=1, head_dim=1, linear_params=10**6, weight_bytes=10**8)
+TINY = ModelShape(
+    num_layers=1, num_heads=1, head_dim=1, linear_params=10**6, lm_head_params=0, weight_bytes=10**8
+)
 
 
 def test_one_stream_is_bound_by_reading_the_weights():
@@ -58,3 +62,11 @@ def test_the_machine_is_measured_here():
     assert set(machine.peak_gflops) == {"float32", "bfloat16", "int8"}
     assert all(rate > 0 for rate in machine.peak_gflops.values())
     assert "GB/s" in machine.describe()
+
+
+def test_a_prompt_computes_logits_for_its_last_token_only():
+    # Half of each token's 1e6 weights are the LM head: 10 prompt tokens at 5e5 multiply-adds
+    # each, the last one's logits (5e5 more), attention's 4 * 45; at bf16's 4e11 FLOP/s.
+    model = ModelShape(1, 1, 1, linear_params=10**6, lm_head_params=5 * 10**5, weight_bytes=1)
+    bound = workload_bound(MACHINE, model, concurrency=1, input_len=10, output_len=1, num_prompts=1)
+    assert bound.ttft_ms == pytest.approx((10 * 1e6 + 1e6 + 4 * 45) / 4e11 * 1e3)

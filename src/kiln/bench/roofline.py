@@ -106,15 +106,18 @@ class ModelShape:
     head_dim: int
     linear_params: int
     """Weights each token is multiplied by: every layer's linears and the LM head."""
+    lm_head_params: int
+    """Of those, the LM head's, which a prompt's tokens skip but its last (no logits needed)."""
     weight_bytes: int
     """Bytes a decode step reads: every weight once (not the embedding table unless it is the LM
     head: a lookup reads one row)."""
 
-    def flops_per_token(self, context: int) -> float:
-        """One token's FLOPs (2 per multiply-add) over ``context`` earlier tokens: the linears,
-        and attention's scores and weighted values."""
+    def flops_per_token(self, context: int, logits: bool = True) -> float:
+        """One token's FLOPs (2 per multiply-add) over ``context`` earlier tokens: the linears
+        (the LM head only with ``logits``), and attention's scores and weighted values."""
         attention = 2 * 2 * self.num_layers * self.num_heads * self.head_dim * context
-        return 2 * self.linear_params + attention
+        linears = self.linear_params - (0 if logits else self.lm_head_params)
+        return 2 * linears + attention
 
     @classmethod
     def from_gguf(cls, path: str) -> ModelShape:
@@ -128,6 +131,7 @@ class ModelShape:
 
         tensors = {t.name: t for t in reader.tensors}
         tied = "output.weight" not in tensors
+        lm_head = tensors["token_embd.weight" if tied else "output.weight"]
         linear_params, weight_bytes = 0, 0
         for name, t in tensors.items():
             is_embedding = name == "token_embd.weight"
@@ -141,6 +145,7 @@ class ModelShape:
             num_heads=num_heads,
             head_dim=field("embedding_length") // num_heads,
             linear_params=linear_params,
+            lm_head_params=int(lm_head.n_elements),
             weight_bytes=weight_bytes,
         )
 
@@ -151,6 +156,7 @@ class ModelShape:
             self.num_heads,
             self.head_dim,
             self.linear_params,
+            self.lm_head_params,
             int(self.linear_params * bytes_per_param),
         )
 
@@ -180,7 +186,11 @@ def workload_bound(
     _, peak = machine.matrix_peak
     flops_per_second = peak * 1e9
     bytes_per_second = machine.bandwidth_gbs * 1e9
-    prompt_flops = sum(model.flops_per_token(i) for i in range(input_len))
+    # A prompt's tokens need no logits but the last's (which is also its first output token).
+    prompt_flops = sum(model.flops_per_token(i, logits=False) for i in range(input_len))
+    prompt_flops += model.flops_per_token(input_len - 1) - model.flops_per_token(
+        input_len - 1, logits=False
+    )
     decode_flops = sum(model.flops_per_token(input_len + i) for i in range(output_len))
     compute_s = num_prompts * (prompt_flops + decode_flops) / flops_per_second
     num_steps = num_prompts * output_len / max(1, min(concurrency, num_prompts))
