@@ -188,9 +188,7 @@ def workload_bound(
     bytes_per_second = machine.bandwidth_gbs * 1e9
     # A prompt's tokens need no logits but the last's (which is also its first output token).
     prompt_flops = sum(model.flops_per_token(i, logits=False) for i in range(input_len))
-    prompt_flops += model.flops_per_token(input_len - 1) - model.flops_per_token(
-        input_len - 1, logits=False
-    )
+    prompt_flops += 2 * model.lm_head_params
     decode_flops = sum(model.flops_per_token(input_len + i) for i in range(output_len))
     compute_s = num_prompts * (prompt_flops + decode_flops) / flops_per_second
     num_steps = num_prompts * output_len / max(1, min(concurrency, num_prompts))
