@@ -14,6 +14,11 @@ the client is dead, exactly as for a dead engine (``/health`` answers 503 and th
 A frame on the output socket that is not ``[outputs, EngineCoreOutputs]`` of a known engine (a
 version skew, a bug, a local process writing to the socket) is logged and dropped, never fatal.
 
+Stalls: every engine sends something at least once a second (outputs or a heartbeat, see
+``kiln.engine.core_proc``), so ``stalled_engines`` names the engines with unfinished requests that
+have been silent for longer than a timeout: stopped (SIGSTOP), swapping, or stuck in a kernel.
+``/health`` answers 503 while one is (``--engine-stall-timeout``).
+
 Sockets: one PULL socket that every engine pushes its outputs to, and one PUSH socket per engine
 for its inputs.
 """
@@ -27,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Coroutine
 from multiprocessing.connection import wait as wait_for_sentinels
@@ -41,6 +47,7 @@ from kiln.engine.core_proc import (
     ABORT,
     ADD,
     ERROR,
+    HEARTBEAT,
     OUTPUTS,
     READY,
     SHUTDOWN,
@@ -53,6 +60,7 @@ from kiln.messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 logger = logging.getLogger(__name__)
 
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+_heartbeat_decoder = msgspec.msgpack.Decoder(int)
 _encoder = msgspec.msgpack.Encoder()
 DROPPED_FRAMES_LOGGED = 10
 """Malformed output frames logged one by one; after them, one in ``DROPPED_FRAMES_LOG_EVERY``."""
@@ -102,6 +110,8 @@ class AsyncMPClient:
         """Engine index of every unfinished engine-core request."""
         self.num_unfinished = [0] * self.num_engines
         """Unfinished engine-core requests of each engine."""
+        self.last_heard = [0.0] * self.num_engines
+        """``time.monotonic()`` of each engine's latest message (outputs or heartbeat)."""
 
     async def start(self, timeout: float = 600) -> ReadyMessage:
         """Start the engine processes and wait until each has loaded its model; returns engine
@@ -145,6 +155,7 @@ class AsyncMPClient:
             if message is not None:
                 readies[message.engine_index] = message
         self.readies = [readies[i] for i in range(self.num_engines)]
+        self.last_heard = [time.monotonic()] * self.num_engines
         self._supervise(self._read_outputs(), "output reader")
         return self.readies[0]
 
@@ -165,6 +176,16 @@ class AsyncMPClient:
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    def stalled_engines(self, timeout: float) -> list[int]:
+        """The engines with unfinished requests that sent nothing for more than ``timeout``
+        seconds (an idle engine is never stalled: nothing waits on it)."""
+        now = time.monotonic()
+        return [
+            engine
+            for engine in range(self.num_engines)
+            if self.num_unfinished[engine] and now - self.last_heard[engine] > timeout
+        ]
 
     def pick_engine(self) -> int:
         """The engine with the fewest unfinished requests (ties: the lowest index)."""
@@ -255,7 +276,10 @@ class AsyncMPClient:
             self._outputs.put_nowait(outputs)
 
     def _decode_startup(self, frames: list[bytes]) -> ReadyMessage | StartupError | None:
-        """An engine's ``ready`` or ``error`` message, or None for any other frames (logged)."""
+        """An engine's ``ready`` or ``error`` message, or None for any other frames (logged; but
+        heartbeats, which an engine that is ready sends while others start, are not)."""
+        if frames[:1] == [HEARTBEAT]:
+            return None
         kinds = {READY: ReadyMessage, ERROR: StartupError}
         if len(frames) == 2 and frames[0] in kinds:
             try:
@@ -271,20 +295,24 @@ class AsyncMPClient:
         return None
 
     def _decode(self, frames: list[bytes]) -> EngineCoreOutputs | None:
-        """The outputs in ``frames``, or None for frames that are not ``[outputs,
-        EngineCoreOutputs]`` of one of the engines (logged: the first few, then one in
+        """The outputs in ``frames`` (None for a heartbeat), noting when their engine was last
+        heard from; None too for frames that are not ``[outputs, EngineCoreOutputs]`` or
+        ``[heartbeat, index]`` of one of the engines (logged: the first few, then one in
         ``DROPPED_FRAMES_LOG_EVERY``)."""
-        if len(frames) != 2 or frames[0] != OUTPUTS:
+        decoders = {OUTPUTS: _outputs_decoder, HEARTBEAT: _heartbeat_decoder}
+        if len(frames) != 2 or frames[0] not in decoders:
             reason = _describe(frames)
         else:
             try:
-                outputs = _outputs_decoder.decode(frames[1])
+                message = decoders[frames[0]].decode(frames[1])
             except msgspec.DecodeError as exc:  # ValidationError included
                 reason = f"undecodable: {exc}"
             else:
-                if 0 <= outputs.engine_index < self.num_engines:
-                    return outputs
-                reason = f"engine_index {outputs.engine_index} of {self.num_engines} engines"
+                engine = message if isinstance(message, int) else message.engine_index
+                if 0 <= engine < self.num_engines:
+                    self.last_heard[engine] = time.monotonic()
+                    return None if isinstance(message, int) else message
+                reason = f"engine_index {engine} of {self.num_engines} engines"
         self._drop_frame(reason)
         return None
 

@@ -4,11 +4,14 @@ The front end binds a PUSH socket (requests in) and a PULL socket (outputs out);
 connects to both. Inputs are two-frame messages ``[kind, msgpack payload]``: ``add`` (an
 ``EngineCoreRequest``), ``abort`` (a list of request ids) or ``shutdown``. Outputs are
 ``[kind, payload]`` too: first ``ready`` (a ``ReadyMessage``) or ``error`` (a ``StartupError``),
-then ``outputs`` (``EngineCoreOutputs``). When a step raises, the error
-goes out in ``EngineCoreOutputs.error`` and the process exits: the front end then fails every
-waiting caller with ``EngineDeadError``.
+then ``outputs`` (``EngineCoreOutputs``) and ``heartbeat`` (the engine index, msgpack). When a
+step raises, the error goes out in ``EngineCoreOutputs.error`` and the process exits: the front
+end then fails every waiting caller with ``EngineDeadError``.
 
 The loop blocks on the input socket while idle (no busy polling) and drains it between steps.
+Whatever it does, it sends something at least every ``HEARTBEAT_INTERVAL_S`` unless a step lasts
+longer: outputs, or a ``heartbeat`` when there are none. So the front end can tell a stalled
+engine (stopped, swapping, stuck in a kernel) from a busy one (``AsyncMPClient.stalled_engines``).
 
 The API server is this process's parent. If it dies without a word (SIGKILL, OOM), this process
 notices within about a second in any state, idle or busy, exits, and removes the socket directory
@@ -37,9 +40,11 @@ from kiln.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
-READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
+READY, ERROR, OUTPUTS, HEARTBEAT = b"ready", b"error", b"outputs", b"heartbeat"
 IDLE_POLL_MS = 1000
 SEND_POLL_MS = 1000
+HEARTBEAT_INTERVAL_S = 1.0
+"""Longest quiet time between two messages to the front end, steps that last longer aside."""
 
 
 class ReadyMessage(msgspec.Struct):
@@ -173,6 +178,8 @@ def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent: _Parent)
     """Serve until ``shutdown``. Raises ``ParentGone`` when the API server dies; a failed step or
     a dead worker goes out as ``EngineCoreOutputs.error``, then raises."""
     engine_index = engine.config.parallel.data_parallel_rank
+    heartbeat = [HEARTBEAT, encoder.encode(engine_index)]
+    last_sent = time.monotonic()
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     for fd in engine.sentinels():  # a worker's exit wakes the idle wait at once
@@ -186,6 +193,8 @@ def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent: _Parent)
                 while inputs not in dict(poller.poll(IDLE_POLL_MS)):
                     parent.check()
                     engine.check_health()
+                    _send(outputs, heartbeat, parent)
+                    last_sent = time.monotonic()
             parent.check()
             while inputs.poll(0):
                 kind, payload = inputs.recv_multipart()
@@ -209,6 +218,10 @@ def _loop(engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent: _Parent)
         if step_outputs.outputs or step_outputs.scheduler_stats is not None:
             step_outputs.engine_index = engine_index
             _send(outputs, [OUTPUTS, encoder.encode(step_outputs)], parent)
+            last_sent = time.monotonic()
+        elif time.monotonic() - last_sent >= HEARTBEAT_INTERVAL_S:
+            _send(outputs, heartbeat, parent)
+            last_sent = time.monotonic()
 
 
 def _add_request(

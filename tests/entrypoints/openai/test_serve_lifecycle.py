@@ -1,5 +1,6 @@
 """Lifecycle against real servers of this module's own: client disconnects abort their requests,
-a full waiting queue answers 503, SIGTERM drains then aborts and leaves no process behind, and a
+a full waiting queue answers 503, a stalled engine core turns /health to 503 until it is heard
+from again, SIGTERM drains then aborts and leaves no process behind, and a
 dead engine ends a stream with an error event, turns /health to 503 and makes the server exit
 with status 1."""
 
@@ -28,6 +29,7 @@ from serve_utils import (
 )
 
 SHUTDOWN_TIMEOUT = 8
+STALL_TIMEOUT = 3
 # Two requests run at a time and one more may wait: a third waiting request is refused.
 ARGS = [*BASE_ARGS, "--max-num-seqs", "2", "--max-num-waiting", "1"]
 LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -37,7 +39,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(model_path: str) -> Iterator[KilnServer]:
-    kiln = KilnServer([*ARGS, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)])
+    kiln = KilnServer(
+        [
+            *ARGS,
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT),
+            "--engine-stall-timeout",
+            str(STALL_TIMEOUT),
+        ]
+    )
     yield kiln
     kiln.stop()
 
@@ -112,6 +122,42 @@ def test_full_queue_answers_503(http: httpx.Client) -> None:
             response.close()
     wait_until_idle(http)
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def _wait_for_health(http: httpx.Client, status: int, timeout: float) -> float:
+    """Poll /health until it answers ``status``; returns the seconds that took."""
+    start = time.monotonic()
+    while (got := http.get("/health").status_code) != status:
+        assert time.monotonic() - start < timeout, f"/health still {got}, not {status}"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def test_stalled_engine_turns_health_503_until_it_resumes(
+    server: KilnServer, http: httpx.Client
+) -> None:
+    engine = engine_core_pid(server.proc.pid)
+    os.kill(engine, signal.SIGSTOP)  # idle: nothing waits on it, so it is not stalled
+    try:
+        time.sleep(STALL_TIMEOUT + 2)
+        assert http.get("/health").status_code == 200
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    response, lines = _open_stream(http, LONG)
+    try:
+        _next_event(lines)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            waited = _wait_for_health(http, 503, STALL_TIMEOUT + 20)
+            assert waited > STALL_TIMEOUT - 1.5  # not at once: a busy step is not a stall
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        _wait_for_health(http, 200, 20)
+        assert isinstance(_next_event(lines), dict)  # the stream goes on
+    finally:
+        response.close()
+    wait_until_idle(http)
+    assert "stalled" in server.output() and "heard from again" in server.output()
 
 
 def test_sigterm_finishes_short_requests_aborts_long_ones(server: KilnServer) -> None:

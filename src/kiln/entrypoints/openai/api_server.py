@@ -9,8 +9,9 @@ exit 0. A second signal skips the wait. If the engine core dies, the requests in
 answered (with errors), then the server exits with status 1, so a supervisor restarts it.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
-/health`` (200, or 503 when an engine is dead or the server is shutting down), ``GET /metrics``
-(and ``HEAD``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /debug/plugins``.
+/health`` (200, or 503 when an engine is dead or stalled, or the server is shutting down), ``GET
+/metrics`` (and ``HEAD``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET
+/debug/plugins``.
 With ``--api-key``, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the key (the routes that run
 the tokenizer or a template). A request body over ``--max-request-body-bytes`` is refused with 413
 before it is read whole.
@@ -212,9 +213,11 @@ def build_app(
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
             return Response(models.unload_lora_adapter(request), media_type="text/plain")
 
+    stall = _StallWatch(state)
+
     @app.get("/health")
     async def health() -> Response:
-        if state.llm.is_dead or state.draining:
+        if state.llm.is_dead or state.draining or stall.stalled():
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -248,6 +251,32 @@ def build_app(
         return _json({**json.loads(ready.plugin_report), "api_process": api})
 
     return app
+
+
+class _StallWatch:
+    """Whether an engine core is stalled (``AsyncMPClient.stalled_engines`` with
+    ``--engine-stall-timeout``), logging each stall once when it starts and once when it ends."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.stalled_now: list[int] = []
+
+    def stalled(self) -> bool:
+        timeout = self.state.options.engine_stall_timeout
+        stalled = self.state.llm.client.stalled_engines(timeout) if timeout > 0 else []
+        if stalled and not self.stalled_now:
+            logger.error(
+                "engine core %s has requests waiting and sent nothing for over %.0f s: stalled "
+                "(/health answers 503 until it is heard from again)",
+                ", ".join(map(str, stalled)),
+                timeout,
+            )
+        elif self.stalled_now and not stalled:
+            logger.warning(
+                "engine core %s is heard from again", ", ".join(map(str, self.stalled_now))
+            )
+        self.stalled_now = stalled
+        return bool(stalled)
 
 
 class _Server(uvicorn.Server):
@@ -374,6 +403,7 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
                 tools=_tool_options(args),
                 allow_runtime_lora_updating=_allow_runtime_lora_updating(args),
                 metrics_prefix=args.metrics_prefix,
+                engine_stall_timeout=args.engine_stall_timeout,
             )
             model_path = resolve_model_ref(config.model.model)
             state = ServerState(llm, llm.model_name, model_path, options=options)

@@ -14,6 +14,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 """16 MiB: room for a 128k-token prompt as text or token ids, far from what memory fears."""
 DEFAULT_MAX_N = 128
 """OpenAI's cap on ``n``."""
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
+"""Far above a step's length (a chunk of prefill takes well under a second), and below common
+liveness-probe budgets (Kubernetes: three failures ten seconds apart)."""
 METRICS_PREFIXES = ("vllm", "kiln")
 """``--metrics-prefix`` choices; the first is the default."""
 
@@ -64,6 +67,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long in-flight requests may finish before they are aborted "
         "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="/health answers 503 while an engine core with requests waiting has sent nothing "
+        "for this long (stopped, swapping, stuck); 0: never (default: %(default)s)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",

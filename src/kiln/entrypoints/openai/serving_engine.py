@@ -72,6 +72,8 @@ class ServerOptions:
     """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
     metrics_prefix: str = "vllm"
     """The prefix of the ``/metrics`` names (``--metrics-prefix``: vllm or kiln)."""
+    engine_stall_timeout: float = 30.0
+    """``/health`` is 503 while an engine with requests waiting is silent this long (0: off)."""
 
 
 @dataclass
