@@ -1,7 +1,7 @@
 """What a hostile or careless client sends, against the shared server: each request gets a 4xx
 with an OpenAI error body (never a 500), and the server keeps serving. Covers request-supplied
 chat templates, the API key on the tokenizer routes, oversized bodies and prompts, unbounded
-``n``, overflowing integers, lone surrogates, bad content parts, template variables that collide,
+``n``, responses of hundreds of MB asked for in a few kB, overflowing integers, lone surrogates, bad content parts, template variables that collide,
 non-finite floats, nulls the OpenAI SDK sends, reused request ids, the abort counter and the
 bound on remembered unknown field names."""
 
@@ -89,6 +89,21 @@ def test_a_prompt_too_long_in_any_tokenization_is_refused_untokenized(http: http
 def test_n_is_bounded(http: httpx.Client) -> None:
     assert _error(_complete(http, n=129))["param"] == "n"
     assert _error(_chat(http, n=50000))["param"] == "n"
+
+
+def test_responses_are_bounded_before_they_run(http: httpx.Client) -> None:
+    """n x positions x logprobs beyond --max-response-logprobs (2^20) is a 400 at admission:
+    128 echoed copies of a 900-token prompt with top-20 logprobs would be ~2.4M values (~70 MB
+    of JSON) from a 5 kB request."""
+    prompt = "hello " * 900
+    error = _error(_complete(http, prompt=prompt, n=128, echo=True, logprobs=20, max_tokens=1))
+    assert error["param"] == "logprobs" and "limit of 1,048,576" in error["message"]
+    error = _error(_chat(http, n=128, logprobs=True, top_logprobs=20, max_tokens=500))
+    assert error["param"] == "logprobs"
+    # One echoed copy is well within the bound; so is the same prompt without logprobs.
+    assert _complete(http, prompt=prompt, echo=True, logprobs=20, max_tokens=1).status_code == 200
+    assert _complete(http, prompt=prompt, n=128, echo=True, max_tokens=1).status_code == 200
+    wait_until_idle(http)
 
 
 @pytest.mark.parametrize("field", ["top_k", "priority", "min_tokens", "n", "seed", "logprobs"])

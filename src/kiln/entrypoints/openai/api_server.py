@@ -400,6 +400,7 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
             options = ServerOptions(
                 trust_request_chat_template=args.trust_request_chat_template,
                 max_n=args.max_n,
+                max_response_logprobs=args.max_response_logprobs,
                 tools=_tool_options(args),
                 allow_runtime_lora_updating=_allow_runtime_lora_updating(args),
                 metrics_prefix=args.metrics_prefix,

@@ -14,6 +14,10 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 """16 MiB: room for a 128k-token prompt as text or token ids, far from what memory fears."""
 DEFAULT_MAX_N = 128
 """OpenAI's cap on ``n``."""
+DEFAULT_MAX_RESPONSE_LOGPROBS = 2**20
+"""About 30-60 MB of JSON: room for n=8 x 2,048 tokens x top-20, or echoed logprobs of 16 prompts
+of 8k tokens; a 10 kB request for n=128 x echo x logprobs=20 on 2,000 tokens (5.4M, ~150 MB) is
+refused."""
 DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 """Far above a step's length (a chunk of prefill takes well under a second), and below common
 liveness-probe budgets (Kubernetes: three failures ten seconds apart)."""
@@ -54,6 +58,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_N,
         metavar="N",
         help="the most completions (`n`) one request may ask for (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-response-logprobs",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_LOGPROBS,
+        metavar="N",
+        help="the most logprob values one response may hold, counted before it runs as n x "
+        "positions x (1 + top logprobs), positions being max_tokens plus the prompt's tokens "
+        "when echoed or with prompt_logprobs; more is a 400 (default: %(default)s)",
     )
     g.add_argument(
         "--disable-log-stats",

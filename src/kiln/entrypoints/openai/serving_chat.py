@@ -80,6 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = self.make_request_id("chatcmpl", request, raw)
         engine_requests = self.process(request_id, [prompt], params, request.priority, lora_request)
+        self.check_response_size(engine_requests)
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
         model = self.model_name(lora_request)

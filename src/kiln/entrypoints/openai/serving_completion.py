@@ -81,6 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._prompts(request)
         request_id = self.make_request_id("cmpl", request, raw)
         engine_requests = self.process(request_id, prompts, params, request.priority, lora_request)
+        self.check_response_size(engine_requests, echo=request.echo)
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:

@@ -63,6 +63,9 @@ class ServerOptions:
     """Render a ``chat_template`` sent in a request (Jinja from any client: off by default)."""
     max_n: int = 128
     """The most completions (``n``) one request may ask for (OpenAI's cap)."""
+    max_response_logprobs: int = 2**20
+    """The most logprob values one response may hold (``response_logprobs``), so a small
+    request cannot ask for a response of hundreds of MB."""
     tokenizer_threads: int = 4
     """Worker threads that tokenize and render chat templates off the event loop."""
     tools: ToolServerOptions = field(default_factory=ToolServerOptions)
@@ -119,6 +122,20 @@ class Prompt:
         if self.text is not None:
             prompt["prompt"] = self.text
         return prompt
+
+
+def response_logprobs(request: EngineCoreRequest, echo: bool) -> int:
+    """The most logprob values ``request``'s answer can hold: each of its ``n`` completions
+    ``max_tokens`` positions of ``logprobs + 1`` values (the chosen token and the top ones), and
+    the prompt's positions with ``prompt_logprobs + 1`` each, once per completion when echoed."""
+    params = request.sampling_params
+    total = 0
+    if params.logprobs is not None:
+        total += params.n * (params.max_tokens or 0) * (params.logprobs + 1)
+    if params.prompt_logprobs is not None:
+        copies = params.n if echo else 1
+        total += copies * len(request.prompt_token_ids) * (params.prompt_logprobs + 1)
+    return total
 
 
 def clamp(logprob: float) -> float:
@@ -385,6 +402,24 @@ class OpenAIServing:
             except ValueError as exc:
                 raise self.input_error(exc) from None
         return requests
+
+    def check_response_size(self, requests: list[EngineCoreRequest], echo: bool = False) -> None:
+        """Refuse requests whose response could hold more than ``max_response_logprobs``
+        logprob values (``response_logprobs``).
+
+        Raises:
+            OpenAIError: 400 naming the fields that make the response large.
+        """
+        limit = self.state.options.max_response_logprobs
+        total = sum(response_logprobs(r, echo) for r in requests)
+        if total > limit:
+            fields = ["n", "max_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo"]
+            raise OpenAIError(
+                f"the response could hold {total:,} logprob values (n x positions x (1 + top "
+                f"logprobs), over {len(requests)} prompt(s)), more than this server's limit of "
+                f"{limit:,}; lower any of {', '.join(fields)}",
+                param="logprobs",
+            )
 
     def input_error(self, exc: ValueError) -> OpenAIError:
         """The 400 for the input processor's ``exc``; a ``PromptError`` about the prompt names
