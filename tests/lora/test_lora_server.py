@@ -30,6 +30,7 @@ from serve_utils import BASE_ARGS, KilnServer, stream_events  # noqa: E402
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 31]
 MAX_TOKENS = 24
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+MAX_ADAPTERS = 12
 CHAT_TEXT = "!#$%"  # tokens 17, 19, 20, 21 of the default tokenizer: within the tiny vocabulary
 
 
@@ -38,7 +39,7 @@ def server(tiny_base, adapters, gguf_path) -> Iterator[KilnServer]:
     args = [tiny_base, "--tokenizer", gguf_path, *BASE_ARGS, "--max-num-seqs", "8"]
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     args += ["--lora-modules", f"a0={adapters[0].path}", "--allow-runtime-lora-updating"]
-    args += ["--chat-template", CHAT_TEMPLATE]
+    args += ["--chat-template", CHAT_TEMPLATE, "--max-lora-adapters", str(MAX_ADAPTERS)]
     server = KilnServer(args)
     yield server
     server.stop()
@@ -192,6 +193,52 @@ def test_bad_adapters_are_refused_at_load(http, adapters, tmp_path, change, matc
     assert response.status_code == 400
     assert match in response.json()["error"]["message"]
     assert "bad" not in _models(http)
+
+
+HEADER_OF_2_62_BYTES = (2**62).to_bytes(8, "little") + b"{}"
+
+
+@pytest.mark.parametrize(
+    "file, content, match",
+    [
+        ("adapter_config.json", b"[1]", "holds a JSON list"),
+        ("adapter_config.json", b'{"r": 8, "lora_alpha": [1]}', "lora_alpha"),
+        ("adapter_config.json", b'{"r": 8, "target_modules": 5}', "target_modules"),
+        ("adapter_config.json", b'{"r": true}', "r=True"),
+        ("adapter_model.safetensors", HEADER_OF_2_62_BYTES, "cannot be read"),
+    ],
+)
+def test_malformed_adapter_files_are_400s(http, adapters, tmp_path, file, content, match):
+    folder = tmp_path / "malformed"
+    shutil.copytree(adapters[1].path, folder)
+    (folder / file).write_bytes(content)
+    body = {"lora_name": "malformed", "lora_path": str(folder)}
+    response = http.post("/v1/load_lora_adapter", json=body)
+    assert response.status_code == 400, response.text
+    assert match in response.json()["error"]["message"]
+    assert "malformed" not in _models(http)
+
+
+def test_loaded_adapters_are_capped(http, adapters):
+    """Names up to --max-lora-adapters load; the next is a 400 until one is unloaded."""
+    loaded = []
+    try:
+        for index in range(MAX_ADAPTERS + 1):
+            name = f"many-{index}"
+            body = {"lora_name": name, "lora_path": adapters[1].path}
+            response = http.post("/v1/load_lora_adapter", json=body)
+            if response.status_code != 200:
+                break
+            loaded.append(name)
+        assert response.status_code == 400, "every load was accepted"
+        assert "--max-lora-adapters" in response.json()["error"]["message"]
+        assert len(_models(http)) == 1 + MAX_ADAPTERS  # the base model and the adapters
+    finally:
+        for name in loaded:
+            http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    body = {"lora_name": "after-unload", "lora_path": adapters[1].path}
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "after-unload"})
 
 
 def test_a_name_in_use_is_refused(http, adapters):

@@ -92,6 +92,11 @@ def read_adapter_config(path: str, name: str, max_rank: int) -> AdapterConfig:
             raw = json.load(f)
     except (OSError, ValueError) as exc:
         raise _unreadable(name, CONFIG_FILE, exc) from None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"LoRA adapter {name!r}: {CONFIG_FILE} holds a JSON {type(raw).__name__}; allowed: "
+            "an object, as peft's save_pretrained writes it"
+        )
     peft_type = raw.get("peft_type", "LORA")
     unsupported = {
         "peft_type": peft_type != "LORA",
@@ -110,7 +115,7 @@ def read_adapter_config(path: str, name: str, max_rank: int) -> AdapterConfig:
                 "and alpha for every module)"
             )
     rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1 or rank > max_rank:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or rank > max_rank:
         raise ValueError(
             f"LoRA adapter {name!r}: rank r={rank!r} is invalid; allowed: 1..{max_rank} "
             "(lora.max_lora_rank, --max-lora-rank)"
@@ -121,13 +126,22 @@ def read_adapter_config(path: str, name: str, max_rank: int) -> AdapterConfig:
             f"LoRA adapter {name!r}: target_modules={targets!r} (a regular expression) is not "
             f"supported; allowed: a list of module names from {list(LORA_MODULES)}"
         )
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(
+            f"LoRA adapter {name!r}: target_modules={targets!r} is invalid; allowed: a list of "
+            f"module names from {list(LORA_MODULES)}"
+        )
     unknown = sorted(set(targets) - set(LORA_MODULES))
     if unknown:
         raise ValueError(
             f"LoRA adapter {name!r}: target module(s) {unknown} are not in the model; allowed: "
             f"{list(LORA_MODULES)}"
         )
-    alpha = float(raw.get("lora_alpha", rank))
+    alpha = raw.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise ValueError(
+            f"LoRA adapter {name!r}: lora_alpha={alpha!r} is invalid; allowed: a finite number"
+        )
     scaling = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
     return AdapterConfig(rank, scaling, tuple(targets))
 

@@ -1,9 +1,9 @@
 """What a hostile or careless client sends, against the shared server: each request gets a 4xx
 with an OpenAI error body (never a 500), and the server keeps serving. Covers request-supplied
 chat templates, the API key on the tokenizer routes, oversized bodies and prompts, unbounded
-``n``, responses of hundreds of MB asked for in a few kB, overflowing integers, lone surrogates, bad content parts, template variables that collide,
-non-finite floats, nulls the OpenAI SDK sends, reused request ids, the abort counter and the
-bound on remembered unknown field names."""
+``n``, responses of hundreds of MB asked for in a few kB, overflowing integers, lone surrogates,
+bad content parts, template variables that collide, non-finite floats, nulls the OpenAI SDK sends,
+reused request ids, the abort counter and the bound on remembered unknown field names."""
 
 from __future__ import annotations
 

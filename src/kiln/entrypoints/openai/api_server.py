@@ -403,6 +403,7 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
                 max_response_logprobs=args.max_response_logprobs,
                 tools=_tool_options(args),
                 allow_runtime_lora_updating=_allow_runtime_lora_updating(args),
+                max_lora_adapters=args.max_lora_adapters,
                 metrics_prefix=args.metrics_prefix,
                 engine_stall_timeout=args.engine_stall_timeout,
             )

@@ -18,6 +18,8 @@ DEFAULT_MAX_RESPONSE_LOGPROBS = 2**20
 """About 30-60 MB of JSON: room for n=8 x 2,048 tokens x top-20, or echoed logprobs of 16 prompts
 of 8k tokens; a 10 kB request for n=128 x echo x logprobs=20 on 2,000 tokens (5.4M, ~150 MB) is
 refused."""
+DEFAULT_MAX_LORA_ADAPTERS = 256
+"""Adapters clients may name at once (``--lora-modules`` and runtime loads)."""
 DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 """Far above a step's length (a chunk of prefill takes well under a second), and below common
 liveness-probe budgets (Kubernetes: three failures ten seconds apart)."""
@@ -115,6 +117,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
         "KILN_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+    g.add_argument(
+        "--max-lora-adapters",
+        type=int,
+        default=DEFAULT_MAX_LORA_ADAPTERS,
+        metavar="N",
+        help="the most LoRA adapters clients may name at once (--lora-modules and "
+        "/v1/load_lora_adapter); loading one more is a 400 until one is unloaded "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--metrics-prefix",

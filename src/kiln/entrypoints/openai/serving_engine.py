@@ -73,6 +73,8 @@ class ServerOptions:
     ``--reasoning-parser``)."""
     allow_runtime_lora_updating: bool = False
     """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    max_lora_adapters: int = 256
+    """The most adapters clients may name at once."""
     metrics_prefix: str = "vllm"
     """The prefix of the ``/metrics`` names (``--metrics-prefix``: vllm or kiln)."""
     engine_stall_timeout: float = 30.0

@@ -96,9 +96,17 @@ class OpenAIServingModels(OpenAIServing):
         return lora_request
 
     def _check_name_free(self, name: str) -> None:
+        """Refuse a name in use, or any name once ``max_lora_adapters`` are loaded."""
         if name == self.state.model_name or name in self.state.lora_requests:
             raise OpenAIError(
                 f"The lora adapter '{name}' has already been loaded.", param="lora_name"
+            )
+        limit = self.state.options.max_lora_adapters
+        if len(self.state.lora_requests) >= limit:
+            raise OpenAIError(
+                f"{limit} LoRA adapters are loaded, this server's limit (--max-lora-adapters); "
+                "unload one first",
+                param="lora_name",
             )
 
     def _register(self, lora_request: LoRARequest) -> LoRARequest:
