@@ -21,12 +21,13 @@ async def _collect(iterator: AsyncIterator) -> list:
 def test_sse_events_error_mid_stream_then_done() -> None:
     async def chunks() -> AsyncIterator[bytes]:
         yield sse({"n": 1})
-        raise EngineDeadError("boom")
+        raise EngineDeadError('a step failed:\nTraceback...\n  File "/srv/kiln/worker.py"')
 
     events = asyncio.run(_collect(sse_events(chunks())))
     assert events[0] == b'data: {"n":1}\n\n'
     error = json.loads(events[1].removeprefix(b"data: "))["error"]
-    assert error["code"] == 503 and "boom" in error["message"]
+    assert error["code"] == 503 and "not running" in error["message"]
+    assert "Traceback" not in error["message"] and "/srv" not in error["message"]
     assert events[2] == b"data: [DONE]\n\n" and len(events) == 3
 
 
@@ -96,7 +97,9 @@ def test_bad_request_names_the_field() -> None:
     assert bad_request(ValueError("something else"), {"top_p"}).param is None
 
 
-def test_an_unexpected_error_is_a_500_that_keeps_the_connection() -> None:
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A real uvicorn on loopback: after a 500 the same keep-alive connection serves the next
     request (Starlette's last-resort handler re-raises, and uvicorn then drops the connection
     without ``Connection: close``)."""
@@ -136,7 +139,12 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection() -> None:
             response = connection.getresponse()
             body = json.loads(response.read())
             assert response.status == 500
-            assert body["error"]["code"] == 500 and "a bug" in body["error"]["message"]
+            message = body["error"]["message"]
+            assert body["error"]["code"] == 500 and "error id" in message
+            assert "a bug" not in message and "RuntimeError" not in message
+            error_id = message.split("error id ")[1].split(")")[0]
+            logged = [r for r in caplog.records if error_id in r.getMessage()]
+            assert logged and "a bug" in str(logged[0].exc_info[1])
             assert response.getheader("connection") != "close"
         connection.close()
     finally:

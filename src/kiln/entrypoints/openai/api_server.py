@@ -45,7 +45,12 @@ from kiln.config import KilnConfig
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.chat_tools import ToolServerOptions, resolve_server_options
-from kiln.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
+from kiln.entrypoints.openai.errors import (
+    OpenAIError,
+    error_response,
+    install_exception_handlers,
+    internal_error,
+)
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -159,8 +164,7 @@ class InternalErrorMiddleware:
         except Exception as exc:
             if started:
                 raise
-            logger.error("request to %s failed", scope.get("path"), exc_info=exc)
-            error = OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+            error = internal_error(exc, str(scope.get("path")))
             await error_response(error)(scope, receive, send)
 
 

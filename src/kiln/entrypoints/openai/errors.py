@@ -5,14 +5,19 @@ vLLM): request validation (FastAPI's own would be 422) and ``ValueError`` s from
 validation are 400 ``BadRequestError``; an unknown model is 404 ``NotFoundError``; a missing or
 wrong API key 401 ``AuthenticationError``; a full queue, a dead engine or a server shutting down
 503 ``ServiceUnavailableError`` (with ``Retry-After`` when retrying makes sense); anything
-unexpected 500 ``InternalServerError``, logged with its traceback. Once a stream has started, the
-same body goes out as an SSE event (``sse_error``), followed by ``data: [DONE]``.
+unexpected 500 ``InternalServerError``. Once a stream has started, the same body goes out as an
+SSE event (``sse_error``), followed by ``data: [DONE]``.
+
+No internals in a body: a 500 or a dead engine's 503 says what happened and, for a 500, an error
+id; the exception, its traceback and any path go to the server log under that id
+(``internal_error``), never to the client.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import uuid
 from typing import Any
 
 import msgspec
@@ -104,11 +109,22 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
             headers={"Retry-After": RETRY_AFTER_S},
         )
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(f"The engine is not running: {exc}", 503)
+        # Its message may hold the engine's traceback: the log has it (the client marked the
+        # engine dead with the reason).
+        return OpenAIError("The engine is not running; the server log has the reason.", 503)
     if isinstance(exc, ValueError):
         return bad_request(exc)
-    logger.error("request failed", exc_info=exc)
-    return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+    return internal_error(exc)
+
+
+def internal_error(exc: BaseException, where: str = "a request") -> OpenAIError:
+    """The 500 for an unexpected ``exc``: logged with its traceback under a fresh error id, which
+    the body names (and nothing else of ``exc``)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s in %s", error_id, where, exc_info=exc)
+    return OpenAIError(
+        f"Internal server error (error id {error_id}); the server log has the details.", 500
+    )
 
 
 _LEADING_NAME = re.compile(r"^'?([a-z_]+)")
@@ -159,9 +175,10 @@ def install_exception_handlers(app: FastAPI) -> None:
         return error_response(error)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        # Starlette re-raises after this response is sent, and uvicorn logs the traceback.
-        return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this response is sent (InternalErrorMiddleware, when
+        # installed, catches it first).
+        return error_response(internal_error(exc, request.url.path))
 
 
 __all__ = [
@@ -170,6 +187,7 @@ __all__ = [
     "error_body",
     "error_response",
     "install_exception_handlers",
+    "internal_error",
     "sse_error",
     "to_openai_error",
 ]
