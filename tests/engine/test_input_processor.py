@@ -142,7 +142,16 @@ def test_token_ids_in_params_are_checked(processor):
         processor.process("r", [5], SamplingParams(logit_bias={60000: 1.0}))
 
 
-def test_eos_and_generation_config(tokenizer, processor):
+def test_priority_needs_the_priority_policy(tokenizer, processor):
+    with pytest.raises(ValueError, match="^priority 3 needs priority scheduling"):
+        processor.process("r", [5], SamplingParams(), priority=3)
+    assert processor.process("r", [5], SamplingParams(), priority=0).priority == 0
+    by_priority = InputProcessor(tokenizer, MAX_MODEL_LEN, 5, 2, scheduling_policy="priority")
+    assert by_priority.process("r", [5], SamplingParams(), priority=-3).priority == -3
+
+
+def test_eos_and_generation_config(tokenizer):
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, 5, 2, scheduling_policy="priority")
     request = processor.process("r", [5], SamplingParams(), arrival_time=12.5, priority=3)
     assert request.eos_token_id == 2
     assert 2 in request.sampling_params.all_stop_token_ids

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kiln.config.checks import check
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 def parse_kv_cache_memory(value: float | str | None) -> dict[str, float | None]:
     """``--kv-cache-memory``: a number is GiB, ``"N%"`` a share of free memory.
@@ -85,6 +87,11 @@ class SchedulerConfig:
     """Split a long prompt over several steps instead of waiting for a step with room."""
     max_num_waiting: int | None = None
     """Most requests queued before new ones are refused (HTTP 503); None is unbounded."""
+    policy: str = field(
+        default="fcfs", metadata={"flag": "scheduling_policy", "choices": SCHEDULING_POLICIES}
+    )
+    """fcfs: first come, first served, and a request's ``priority`` other than 0 is refused;
+    priority: lower ``priority`` values run first (then arrival order), as vLLM's policies."""
 
     def __post_init__(self) -> None:
         check(
@@ -95,6 +102,12 @@ class SchedulerConfig:
             "scheduler.max_num_batched_tokens",
             self.max_num_batched_tokens,
             "an integer >= 1",
+        )
+        check(
+            self.policy in SCHEDULING_POLICIES,
+            "scheduler.policy",
+            self.policy,
+            " or ".join(SCHEDULING_POLICIES),
         )
         check(
             self.max_num_waiting is None or self.max_num_waiting >= 0,

@@ -68,6 +68,7 @@ class Frontend:
             self.tokenizer.eos_token_id,
             vocab_size=int(hf_config.get("vocab_size") or self.tokenizer.vocab_size),
             structured_outputs_backend=config.structured_outputs.backend,
+            scheduling_policy=config.scheduler.policy,
             lora_checker=(
                 AdapterChecker(config.lora.max_lora_rank, hf_config)
                 if config.lora.enable_lora

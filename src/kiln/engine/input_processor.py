@@ -113,6 +113,8 @@ class InputProcessor:
             read a request's ``structured_outputs`` (checked here, before the engine sees it).
         lora_checker: checks a request's ``LoRARequest`` (``kiln.lora.peft.AdapterChecker``:
             LoRA enabled, the adapter fits the model); None refuses every adapter.
+        scheduling_policy: ``scheduler.policy``; under ``fcfs`` a ``priority`` other than 0 is
+            refused (as vLLM does), so no client jumps the queue unless the operator allows it.
     """
 
     def __init__(
@@ -126,8 +128,10 @@ class InputProcessor:
         vocab_size: int | None = None,
         structured_outputs_backend: str = "auto",
         lora_checker: Callable[[LoRARequest], None] | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.lora_checker = lora_checker
         self.structured_outputs_backend = structured_outputs_backend
         self.max_model_len = max_model_len
@@ -167,11 +171,18 @@ class InputProcessor:
         Raises:
             PromptError: the prompt is empty (``EMPTY_PROMPT``), has token ids outside the
                 vocabulary, or does not fit ``max_model_len`` (with ``max_tokens`` when set).
-            ValueError: the prompt is of the wrong type; the params ask for more
+            ValueError: the prompt is of the wrong type; a ``priority`` other than 0 under the
+                ``fcfs`` policy; the params ask for more
                 logprobs than ``max_logprobs`` or name token ids outside the vocabulary; their
                 ``structured_outputs`` spec is one the grammar engine cannot read; a
                 ``lora_request`` the engine cannot serve (``check_lora``).
         """
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs priority scheduling; allowed: 0 under the "
+                f"{self.scheduling_policy!r} policy (scheduler.policy 'priority', "
+                "--scheduling-policy priority, honours priorities)"
+            )
         if lora_request is not None:
             self.check_lora(lora_request)
         prompt_token_ids = self._tokenize(prompt, prompt_name)

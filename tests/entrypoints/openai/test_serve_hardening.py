@@ -106,6 +106,14 @@ def test_responses_are_bounded_before_they_run(http: httpx.Client) -> None:
     wait_until_idle(http)
 
 
+def test_priority_needs_the_priority_policy(http: httpx.Client) -> None:
+    """Under the default fcfs policy no client may jump the queue (vLLM refuses it too)."""
+    for response in (_complete(http, priority=-5), _chat(http, priority=2**62)):
+        error = _error(response)
+        assert error["param"] == "priority" and "--scheduling-policy" in error["message"]
+    assert _complete(http, priority=0).status_code == 200
+
+
 @pytest.mark.parametrize("field", ["top_k", "priority", "min_tokens", "n", "seed", "logprobs"])
 def test_integers_that_overflow_the_wire_are_400(http: httpx.Client, field: str) -> None:
     for value in (10**30, -(10**30)):
