@@ -67,6 +67,13 @@ def test_sampling_type_and_greedy_reset():
         ({"stop_token_ids": [-5]}, "stop_token_ids must be token ids"),
         ({"seed": 2.0}, "seed must be None or an integer"),
         ({"stop": "x", "detokenize": False}, "stop strings need detokenize=True"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be None or 1 to"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be token ids"),
+        ({"bad_words": ["ok", " "]}, "bad_words must be non-blank strings"),
+        ({"bad_words": ["w"] * 257}, "bad_words must be None or a list of at most 256"),
+        ({"bad_words": ["x" * 257]}, "bad_words must be non-blank strings of at most 256"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None, -1 or"),
+        ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens must be None, -1 or"),
     ],
 )
 def test_validation_names_field_value_and_range(kwargs, needle):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,12 @@ _MAX_PENALTY = 2.0
 _MAX_LOGIT_BIAS = 100.0
 MAX_STOP_CHARS = 2**16
 """The most characters all of a request's stop strings may hold together."""
+MAX_ALLOWED_TOKEN_IDS = 2**18
+"""The most ``allowed_token_ids``: more than any vocabulary Kiln serves."""
+MAX_BAD_WORDS = 256
+"""The most ``bad_words`` a request may give (each one is checked on every step)."""
+MAX_BAD_WORD_CHARS = 256
+"""The longest bad word."""
 
 
 MAX_STRUCTURED_OUTPUT_CHARS = 2**17
@@ -245,9 +252,22 @@ class SamplingParams:
     """Constrain the output to a JSON schema, regex, choice or grammar (a dict is taken as the
     ``StructuredOutputsParams`` fields). EOS is allowed only where the constraint is complete."""
 
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (at most ``MAX_ALLOWED_TOKEN_IDS``, in the vocabulary;
+    deduplicated and sorted after init)."""
+    bad_words: list[str] | None = None
+    """Words never generated (at most ``MAX_BAD_WORDS`` of at most ``MAX_BAD_WORD_CHARS``
+    characters): each is tokenized as written and after a space, and the last token of either is
+    masked wherever the output so far ends with the tokens before it."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last ``k`` tokens (``k >= 1``); -1 keeps the last
+    ``max_model_len``; None keeps it whole."""
+
     # Stop token ids plus every EOS id (even with ignore_eos): what min_tokens masks. Filled from
     # stop_token_ids here and from the model in update_from_generation_config.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # ``bad_words`` as token-id sequences (``update_from_tokenizer``).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -346,6 +366,35 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise _invalid("stop_token_ids", "token ids (integers >= 0)", token_id)
+        self._verify_vocabulary_args()
+
+    def _verify_vocabulary_args(self) -> None:
+        """``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens``."""
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise _invalid(
+                    "allowed_token_ids", f"None or 1 to {MAX_ALLOWED_TOKEN_IDS} token ids", ids
+                )
+            bad = [t for t in ids if not _is_int(t) or t < 0]
+            if bad:
+                raise _invalid("allowed_token_ids", "token ids (integers >= 0)", bad[0])
+            self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list | tuple) or len(words) > MAX_BAD_WORDS:
+                raise _invalid("bad_words", f"None or a list of at most {MAX_BAD_WORDS}", words)
+            for word in words:
+                if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                    raise _invalid(
+                        "bad_words",
+                        f"non-blank strings of at most {MAX_BAD_WORD_CHARS} chars",
+                        word,
+                    )
+            self.bad_words = list(words)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise _invalid("truncate_prompt_tokens", "None, -1 or an integer >= 1", k)
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop strings need detokenize=True, got detokenize=False and stop={self.stop!r}"
@@ -386,6 +435,25 @@ class SamplingParams:
         if not self.ignore_eos:
             assert self.stop_token_ids is not None
             self.stop_token_ids = sorted(extra.union(self.stop_token_ids))
+
+    def update_from_tokenizer(self, encode: Callable[[str], list[int]]) -> None:
+        """Tokenize ``bad_words`` with ``encode`` (text -> ids, no special tokens): each word as
+        written and after a space (as it appears mid-text), each distinct sequence once.
+
+        Side effects: sets ``bad_words_token_ids``.
+        """
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            for text in (word, " " + word.lstrip()):
+                ids = encode(text)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self._bad_words_token_ids = sequences
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """``bad_words`` as token-id sequences (empty before ``update_from_tokenizer``)."""
+        return self._bad_words_token_ids
 
     @property
     def all_stop_token_ids(self) -> set[int]:

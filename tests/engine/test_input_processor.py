@@ -191,3 +191,19 @@ def test_fan_out(processor):
     echoed = processor.process("e", [5, 6], SamplingParams(n=3, prompt_logprobs=2))
     assert [c.sampling_params.prompt_logprobs for c in fan_out(echoed)] == [2, None, None]
     assert make_child_params(SamplingParams(seed=2**64 - 1), 1).seed == 0
+
+
+def test_vocabulary_fields(tokenizer, processor):
+    """allowed_token_ids must be in the vocabulary; bad_words are tokenized (as written and after
+    a space); truncate_prompt_tokens keeps the prompt's last tokens."""
+    with pytest.raises(ValueError, match="^allowed_token_ids must be token ids in"):
+        processor.process("r", [5], SamplingParams(allowed_token_ids=[7, 60000]))
+    request = processor.process("r", [5], SamplingParams(bad_words=["hello"]))
+    expected = [tokenizer.encode(t, add_special_tokens=False) for t in ("hello", " hello")]
+    assert request.sampling_params.bad_words_token_ids == expected
+    request = processor.process("r", list(range(5, 15)), SamplingParams(truncate_prompt_tokens=3))
+    assert request.prompt_token_ids == [12, 13, 14]
+    with pytest.raises(ValueError, match="^bad_words need a tokenizer"):
+        InputProcessor(None, 32, 5, None, vocab_size=100).process(
+            "r", [5], SamplingParams(bad_words=["x"])
+        )

@@ -193,6 +193,33 @@ def test_min_tokens_masks_stop_ids_until_reached():
         assert sampler(logits, md).sampled_token_ids.tolist() == [expected]
 
 
+def test_allowed_token_ids_mask_only_their_rows():
+    logits = torch.arange(6, dtype=torch.float32).repeat(2, 1)  # token 5 most likely
+    params = [SamplingParams(temperature=0, allowed_token_ids=[3, 1, 3]), SamplingParams()]
+    md = build(params, 6)
+    processed = Sampler().apply_logits_processors(logits, md)
+    assert kept(processed[0]) == {1, 3} and kept(processed[1]) == set(range(6))
+    assert processed[0, 3] == 3.0
+    assert Sampler()(logits[:1], build(params[:1], 6)).sampled_token_ids.tolist() == [3]
+
+
+def test_bad_words_mask_the_last_token_after_their_prefix():
+    params = SamplingParams(temperature=0, bad_words=["unused"])
+    params._bad_words_token_ids = [[4], [1, 2, 3]]  # as update_from_tokenizer would set them
+    logits = torch.zeros(1, 6)
+    sampler = Sampler()
+    for output, masked in [([], {4}), ([1], {4}), ([0, 1, 2], {3, 4}), ([1, 2, 0], {4})]:
+        processed = sampler.apply_logits_processors(logits, build([params], 6, outputs=[output]))
+        assert set(range(6)) - kept(processed[0]) == masked, output
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space():
+    params = SamplingParams(bad_words=["cat", " dog"])
+    vocab = {"cat": [7], " cat": [8, 7], " dog": [9]}
+    params.update_from_tokenizer(lambda text: vocab[text])
+    assert params.bad_words_token_ids == [[7], [8, 7], [9]]
+
+
 # --- logprobs --------------------------------------------------------------------------------
 
 

@@ -187,6 +187,7 @@ class InputProcessor:
             self.check_lora(lora_request)
         prompt_token_ids = self._tokenize(prompt, prompt_name)
         params = params.clone()
+        prompt_token_ids = self._truncate(prompt_token_ids, params.truncate_prompt_tokens)
         self._check_length(len(prompt_token_ids), params.max_tokens)
         self._validate_params(params, len(prompt_token_ids))
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
@@ -268,6 +269,13 @@ class InputProcessor:
                 "max_tokens",
             )
 
+    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last ``keep`` of ``token_ids`` (-1: the last ``max_model_len``; None: all)."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     def _in_vocab(self, token_id: int) -> bool:
         return token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
 
@@ -283,6 +291,20 @@ class InputProcessor:
                 raise ValueError(
                     f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {token_id}"
                 )
+        for token_id in params.allowed_token_ids or []:
+            if not self._in_vocab(token_id):
+                raise ValueError(
+                    f"allowed_token_ids must be token ids in [0, {self.vocab_size}), got {token_id}"
+                )
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "bad_words need a tokenizer; allowed: none when the engine takes token ids "
+                    "only (skip_tokenizer_init)"
+                )
+            params.update_from_tokenizer(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+            )
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
         if params.max_tokens is None:

@@ -13,7 +13,7 @@ reads ``SamplingParams``; the model runner's persistent batch may later fill the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,6 +68,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     """Most top logprobs any row asked for; None: no row wants logprobs."""
 
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Row -> the only token ids it may sample, for rows with ``allowed_token_ids``."""
+    bad_words: dict[int, list[list[int]]] = field(default_factory=dict)
+    """Row -> its bad words as token-id sequences, for rows with ``bad_words``."""
+
     @property
     def num_reqs(self) -> int:
         return self.temperature.shape[0]
@@ -108,8 +113,14 @@ class SamplingMetadata:
         presence, frequency, repetition = [], [], []
         logit_bias: list[dict[int, float] | None] = []
         min_tokens: dict[int, tuple[int, set[int]]] = {}
+        allowed: dict[int, list[int]] = {}
+        bad_words: dict[int, list[list[int]]] = {}
         max_num_logprobs: int | None = None
         for row, params in enumerate(params_list):
+            if params.allowed_token_ids is not None:
+                allowed[row] = params.allowed_token_ids
+            if params.bad_words_token_ids:
+                bad_words[row] = params.bad_words_token_ids
             temperature.append(params.temperature)
             top_p.append(params.top_p)
             top_k.append(params.top_k if 0 < params.top_k < vocab_size else vocab_size)
@@ -169,6 +180,8 @@ class SamplingMetadata:
             logit_bias=logit_bias if any(b is not None for b in logit_bias) else None,
             min_tokens=min_tokens,
             max_num_logprobs=max_num_logprobs,
+            allowed_token_ids=allowed,
+            bad_words=bad_words,
         )
 
 

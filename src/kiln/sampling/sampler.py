@@ -82,7 +82,12 @@ class Sampler(torch.nn.Module):
     def apply_logits_processors(
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> torch.Tensor:
-        """Step 1: logit bias, min_tokens, penalties. Returns a new tensor (or ``logits``)."""
+        """Step 1: allowed token ids, bad words, logit bias, min_tokens, penalties. Returns a
+        new tensor (or ``logits``)."""
+        if metadata.allowed_token_ids:
+            logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids)
+        if metadata.bad_words:
+            logits = apply_bad_words(logits, metadata.bad_words, metadata.output_token_ids)
         if metadata.logit_bias is not None:
             logits = apply_logit_bias(logits, metadata.logit_bias)
         if metadata.min_tokens:
@@ -147,6 +152,41 @@ def apply_logit_bias(
     index = torch.tensor([rows, token_ids], dtype=torch.int64, device=logits.device)  # [2, n]
     bias_values = torch.tensor(values, dtype=logits.dtype, device=logits.device)  # [n]
     return logits.index_put((index[0], index[1]), bias_values, accumulate=True)
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor, allowed_token_ids: dict[int, list[int]]
+) -> torch.Tensor:
+    """Set every logit of a row in ``allowed_token_ids`` to -inf but its allowed ids'.
+    [B, V] -> new [B, V]."""
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    for row, token_ids in allowed_token_ids.items():
+        banned[row] = True
+        banned[row, torch.tensor(token_ids, dtype=torch.int64, device=logits.device)] = False
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_bad_words(
+    logits: torch.Tensor,
+    bad_words: dict[int, list[list[int]]],
+    output_token_ids: list[list[int]],
+) -> torch.Tensor:
+    """Set to -inf, per row, the last token of each bad word whose other tokens end the row's
+    output so far (a one-token word: always). [B, V] -> new [B, V] (or ``logits``)."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, sequences in bad_words.items():
+        output = output_token_ids[row]
+        for sequence in sequences:
+            prefix = len(sequence) - 1
+            if prefix == 0 or (len(output) >= prefix and output[-prefix:] == sequence[:-1]):
+                rows.append(row)
+                token_ids.append(sequence[-1])
+    if not rows:
+        return logits
+    index = torch.tensor([rows, token_ids], dtype=torch.int64, device=logits.device)  # [2, n]
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put((index[0], index[1]), neg_inf)
 
 
 def apply_min_tokens(

@@ -117,6 +117,12 @@ class _SamplingFields(RequestBody):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int = 0
+    allowed_token_ids: list[Int] | None = None
+    """Only these token ids may be sampled (vLLM)."""
+    bad_words: list[str] | None = None
+    """Words never generated (vLLM)."""
+    truncate_prompt_tokens: Int | None = None
+    """Keep only the prompt's last ``k`` tokens; -1: the last ``max_model_len`` (vLLM)."""
     request_id: str | None = None
     structured_outputs: dict[str, Any] | None = None
     """vLLM's constraint on the output: one of ``json`` (a schema), ``regex``, ``choice``,

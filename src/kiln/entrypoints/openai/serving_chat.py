@@ -84,7 +84,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
         model = self.model_name(lora_request)
-        run = _ChatRun(self, request, request_id, len(prompt.token_ids), top_logprobs, model)
+        num_prompt_tokens = len(engine_requests[0].prompt_token_ids)  # after truncation
+        run = _ChatRun(self, request, request_id, num_prompt_tokens, top_logprobs, model)
         if plan.choice != "none" or tool_options.reasoning_parser is not None:
             run.parsers = [ChoiceParser(plan, tool_options) for _ in range(request.n)]
         if request.stream:

@@ -82,6 +82,10 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.make_request_id("cmpl", request, raw)
         engine_requests = self.process(request_id, prompts, params, request.priority, lora_request)
         self.check_response_size(engine_requests, echo=request.echo)
+        for prompt, engine_request in zip(prompts, engine_requests, strict=True):
+            if len(engine_request.prompt_token_ids) < len(prompt.token_ids):
+                # truncate_prompt_tokens: usage and echo are of what the model saw.
+                prompt.token_ids, prompt.text = engine_request.prompt_token_ids, None
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:

@@ -363,6 +363,9 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=logit_bias,  # type: ignore[arg-type]
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
+                truncate_prompt_tokens=request.truncate_prompt_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=request.structured_outputs_params(),
             )
