@@ -13,6 +13,8 @@ leaves open filled in (``_enrich``). Every request must:
 - get an answer below 500 (also inside an SSE stream), with the connection kept (no reset);
 - answer within ``REQUEST_TIMEOUT_S`` (a hang fails the case);
 - carry an OpenAI error body (``{"error": {"message": str, ...}}``) when it is refused (4xx);
+- get a status the served document lists for its operation (a method the document does not have
+  for the path, 405, is not checked);
 
 and ``/health`` must answer 200 within ``HEALTH_LATENCY_S`` throughout (a thread polls it while
 the family runs) and after. The test collects every failing case, then fails naming each kind of
@@ -388,6 +390,8 @@ class Outcome:
     """The last request answered, and when."""
     seed: int = field(default_factory=lambda: SEED if SEED is not None else random.randrange(2**32))
     refusals: dict[str, int] = field(default_factory=dict)
+    documented: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    """``(METHOD, path)`` -> the statuses the served OpenAPI document lists for it."""
 
     def fail(self, failure: Failure) -> None:
         key = f"{failure.kind} {failure.method} {failure.path}: {failure.detail[:120]}"
@@ -469,6 +473,10 @@ def _send(http: httpx.Client, method: str, path: str, body: Any, headers: dict, 
         return
     status = response.status_code
     out.by_status[status] = out.by_status.get(status, 0) + 1
+    documented = out.documented.get((method.upper(), path))
+    if documented is not None and str(status) not in documented:
+        detail = f"{status} is not among the documented {sorted(documented)}"
+        out.fail(Failure("undocumented status", method, path, content, detail))
     if status >= 500:
         detail = payload[:300].decode("utf-8", "replace")
         out.fail(Failure(f"HTTP {status}", method, path, content, detail))
@@ -544,7 +552,12 @@ def schema(fuzz_server: KilnServer):
         ref = body.get("application/json", {}).get("schema", {}).get("$ref", "")
         component = enriched["components"]["schemas"].get(ref.rsplit("/", 1)[-1], {})
         properties[path] = sorted(component.get("properties", {}))
-    return schemathesis.openapi.from_dict(enriched), properties
+    documented = {
+        (method.upper(), path): set(operation.get("responses", {}))
+        for path, item in raw["paths"].items()
+        for method, operation in item.items()
+    }
+    return schemathesis.openapi.from_dict(enriched), properties, documented
 
 
 def _auth_headers() -> st.SearchStrategy[dict[str, str]]:
@@ -560,7 +573,7 @@ def _auth_headers() -> st.SearchStrategy[dict[str, str]]:
 
 
 def _run_family(family: str, schema, url: str, out: Outcome, deadline: float) -> None:
-    schema, request_properties = schema
+    schema, request_properties, out.documented = schema
 
     def send(http: httpx.Client, method: str, path: str, body: Any, headers: dict) -> None:
         body = _cheapen(path, body)

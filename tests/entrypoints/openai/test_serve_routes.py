@@ -248,3 +248,28 @@ def test_admission_errors_keep_their_message_and_param(
         assert error["message"] == message.format(n=tokenized["count"])
     else:
         assert error["message"] == message
+
+
+def test_openapi_lists_the_statuses_the_server_answers(http: httpx.Client) -> None:
+    """400 with an OpenAI error body where FastAPI would document 422, which Kiln never sends."""
+    document = http.get("/openapi.json").json()
+    statuses = {
+        (method, path): set(operation["responses"])
+        for path, item in document["paths"].items()
+        for method, operation in item.items()
+    }
+    assert not [key for key, codes in statuses.items() if "422" in codes]
+    assert statuses[("post", "/v1/completions")] == {
+        "200",
+        "400",
+        "401",
+        "404",
+        "413",
+        "500",
+        "503",
+    }
+    assert statuses[("get", "/v1/models")] == {"200", "401", "500"}
+    assert statuses[("get", "/health")] == {"200", "500", "503"}
+    error = document["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]
+    ref = error["content"]["application/json"]["schema"]["$ref"]
+    assert document["components"]["schemas"][ref.rsplit("/", 1)[-1]]["required"] == ["error"]

@@ -52,6 +52,7 @@ from kiln.entrypoints.openai.errors import (
     internal_error,
 )
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.entrypoints.openai.openapi import install_openapi
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -254,6 +255,7 @@ def build_app(
             return _json(api)
         return _json({**json.loads(ready.plugin_report), "api_process": api})
 
+    install_openapi(app, bool(api_keys))
     return app
 
 
