@@ -92,10 +92,12 @@ def grammar_bitmask(
     requests: dict[str, Request],
     num_scheduled_tokens: dict[str, int],
     spec_tokens: dict[str, list[int]],
+    errors: dict[str, str],
 ) -> tuple[list[str], np.ndarray | None]:
     """The structured requests that sample this step, and their bitmask rows in that order: one
     each, or ``1 + k`` for a request verifying ``k`` drafts (``spec_tokens``; see
-    ``StructuredOutputManager.fill_bitmask``)."""
+    ``StructuredOutputManager.fill_bitmask``). A request whose grammar raised goes into
+    ``errors`` (request id -> message), its rows allowing every token: the caller fails it."""
     req_ids: list[str] = []
     matchers = []
     drafts = []
@@ -110,7 +112,10 @@ def grammar_bitmask(
             drafts.append(spec_tokens.get(request_id, []))
     if not matchers:
         return req_ids, None
-    return req_ids, manager.fill_bitmask(matchers, drafts)
+    failed: dict[int, str] = {}
+    bitmask = manager.fill_bitmask(matchers, drafts, failed)
+    errors.update((req_ids[index], message) for index, message in failed.items())
+    return req_ids, bitmask
 
 
 __all__ = ["GrammarWaitlist", "grammar_bitmask"]

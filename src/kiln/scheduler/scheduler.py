@@ -128,6 +128,9 @@ class Scheduler(SchedulerInterface):
         self._keys: dict[str, SchedulingKey] = {}
         self._seq = count()
         self._ignored: dict[str, EngineCoreOutput] = {}
+        self._grammar_errors: dict[str, str] = {}
+        """Requests whose grammar raised while this scheduler worked on them (their bitmask,
+        a token they sampled, their drafts): failed alone at the next ``update_from_output``."""
         self._num_preemptions = 0
         self._spec_stats = [0, 0, 0]  # drafts, draft tokens, accepted tokens since make_stats()
         self.structured_output_manager = StructuredOutputManager(config)
@@ -345,7 +348,11 @@ class Scheduler(SchedulerInterface):
         if pipeline:
             pipeline.start(num_scheduled_tokens)
         grammar_req_ids, bitmask = grammar_bitmask(
-            self.structured_output_manager, self.requests, num_scheduled_tokens, spec_tokens
+            self.structured_output_manager,
+            self.requests,
+            num_scheduled_tokens,
+            spec_tokens,
+            self._grammar_errors,
         )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -377,8 +384,9 @@ class Scheduler(SchedulerInterface):
         finishes the requests the step failed (``failed_requests``) with finish reason "error".
         Requests finished while the step ran (aborted) are skipped.
         """
-        if model_runner_output.failed_requests:
-            self._fail_requests(model_runner_output.failed_requests)
+        if model_runner_output.failed_requests or self._grammar_errors:
+            self._fail_requests({**model_runner_output.failed_requests, **self._grammar_errors})
+            self._grammar_errors.clear()
         outputs = list(self._ignored.values())
         self._ignored.clear()
         sampled_token_ids = model_runner_output.sampled_token_ids
@@ -408,22 +416,20 @@ class Scheduler(SchedulerInterface):
             is_stopped = False
             for i, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
-                if request.matcher is not None and not request.matcher.accept_token(token_id):
-                    logger.error(
-                        "request %s: token %d is not allowed by its grammar", request_id, token_id
-                    )
+                if request.matcher is not None:
+                    self._accept(request, token_id)
                 if is_stopped := request.check_stop(self.max_model_len):
                     new_token_ids = new_token_ids[: i + 1]
                     break
+            if request_id in self._grammar_errors:
+                continue  # failed below, with no output of this step's tokens
             new_logprobs = logprobs.get(request_id)
             if new_logprobs is not None and len(new_logprobs.logprobs) > len(new_token_ids):
                 new_logprobs = _first_rows(new_logprobs, len(new_token_ids))
             if not is_stopped and model_runner_output.spec_token_ids:
-                next_drafts = model_runner_output.spec_token_ids[index]
-                if request.matcher is not None and next_drafts:
-                    # The matcher has taken this step's tokens: the drafts follow them.
-                    next_drafts = valid_drafts(request.matcher, next_drafts)
-                request.spec_token_ids = next_drafts
+                request.spec_token_ids = self._next_drafts(
+                    request, model_runner_output.spec_token_ids[index]
+                )
             outputs.append(
                 EngineCoreOutput(
                     request_id,
@@ -441,6 +447,11 @@ class Scheduler(SchedulerInterface):
                 num_finished += 1
         if num_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if self._grammar_errors:  # raised by a grammar while taking this step's tokens
+            self._fail_requests(self._grammar_errors)
+            self._grammar_errors.clear()
+            outputs.extend(self._ignored.values())
+            self._ignored.clear()
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )
@@ -474,6 +485,37 @@ class Scheduler(SchedulerInterface):
             self.waiting.add(request, self._keys[request.request_id])
         for request, error in failed:
             self._fail(request, error)
+
+    def _accept(self, request: Request, token_id: int) -> None:
+        """Advance ``request``'s grammar by ``token_id``; a grammar that raises fails the
+        request at the next update (``_grammar_errors``), not the step."""
+        assert request.matcher is not None
+        try:
+            if not request.matcher.accept_token(token_id):
+                logger.error(
+                    "request %s: token %d is not allowed by its grammar",
+                    request.request_id,
+                    token_id,
+                )
+        except Exception as exc:
+            self._grammar_errors[request.request_id] = (
+                f"structured_outputs: the grammar failed: {exc}"
+            )
+
+    def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The runner's ``drafts`` for ``request``'s next step, cut where its grammar (which has
+        taken this step's tokens) forbids one; none when the grammar raised (see ``_accept``)."""
+        if request.matcher is None or not drafts:
+            return drafts
+        if request.request_id in self._grammar_errors:
+            return []
+        try:
+            return valid_drafts(request.matcher, drafts)
+        except Exception as exc:
+            self._grammar_errors[request.request_id] = (
+                f"structured_outputs: the grammar failed: {exc}"
+            )
+            return []
 
     def _fail_requests(self, errors: dict[str, str]) -> None:
         """Finish the running requests that failed in the step (``ModelRunnerOutput.

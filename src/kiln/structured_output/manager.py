@@ -146,7 +146,10 @@ class StructuredOutputManager:
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def fill_bitmask(
-        self, matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | None = None
+        self,
+        matchers: Sequence[Matcher],
+        drafts: Sequence[Sequence[int]] | None = None,
+        errors: dict[int, str] | None = None,
     ) -> np.ndarray:
         """[sum of 1 + len(drafts[i]), ceil(V / 32)] int32: ``1 + len(drafts[i])`` rows per
         matcher, in order, row ``j`` of them what ``matchers[i]`` allows after ``drafts[i][:j]``
@@ -156,20 +159,23 @@ class StructuredOutputManager:
         terminated grammar (a draft was its stop token) allows every token: its token is never
         emitted, the request stops at the stop token.
 
+        With ``errors``, a matcher that raises is recorded there (``errors[i]``, the message)
+        with its rows allowing every token, and the others go on: the caller fails that request
+        alone. Without it, the exception propagates.
+
         Side effects: none once it returns (each matcher rolls back the drafts it accepted).
         """
         drafts = drafts or [()] * len(matchers)
         bitmask = self.allocate_bitmask(sum(1 + len(d) for d in drafts))
         row = 0
-        for matcher, request_drafts in zip(matchers, drafts, strict=True):
-            for j in range(len(request_drafts) + 1):
-                if not matcher.is_terminated():
-                    matcher.fill_bitmask(bitmask, row + j)
-                if j < len(request_drafts):
-                    is_allowed = matcher.accept_token(request_drafts[j])
-                    assert is_allowed, "a draft the grammar forbids (see valid_drafts)"
-            if request_drafts:
-                matcher.rollback(len(request_drafts))
+        for index, (matcher, request_drafts) in enumerate(zip(matchers, drafts, strict=True)):
+            try:
+                _fill_rows(matcher, request_drafts, bitmask, row)
+            except Exception as exc:
+                if errors is None:
+                    raise
+                bitmask[row : row + 1 + len(request_drafts)] = -1
+                errors[index] = f"structured_outputs: the grammar failed: {exc}"
             row += 1 + len(request_drafts)
         return bitmask.numpy()
 
@@ -193,6 +199,21 @@ class StructuredOutputManager:
                 )
                 self._backends[backend_name] = backend
         return backend.compile(params)
+
+
+def _fill_rows(
+    matcher: Matcher, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int
+) -> None:
+    """Rows ``first_row ..`` of ``bitmask``: what ``matcher`` allows after each prefix of
+    ``drafts`` (see ``StructuredOutputManager.fill_bitmask``)."""
+    for j in range(len(drafts) + 1):
+        if not matcher.is_terminated():
+            matcher.fill_bitmask(bitmask, first_row + j)
+        if j < len(drafts):
+            is_allowed = matcher.accept_token(drafts[j])
+            assert is_allowed, "a draft the grammar forbids (see valid_drafts)"
+    if drafts:
+        matcher.rollback(len(drafts))
 
 
 def valid_drafts(matcher: Matcher, drafts: list[int]) -> list[int]:
