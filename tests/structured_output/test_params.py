@@ -3,6 +3,7 @@
 import msgspec
 import pytest
 
+from kiln.config import StructuredOutputsConfig
 from kiln.messages import EngineCoreRequest
 from kiln.sampling_params import (
     MAX_STRUCTURED_OUTPUT_CHARS,
@@ -49,3 +50,37 @@ def test_key_is_canonical_for_json_and_survives_msgpack():
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
     assert decoded.sampling_params.structured_outputs == as_dict
     assert decoded.sampling_params.clone().structured_outputs.kind == "json"
+
+
+def test_json_options_beside_response_format_apply_to_its_grammar():
+    from kiln.entrypoints.openai.protocol import ChatCompletionRequest
+
+    fields = {"messages": [{"role": "user", "content": "hi"}]}
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+    request = ChatCompletionRequest(
+        **fields,
+        response_format=schema,
+        structured_outputs={"disable_any_whitespace": True, "disable_additional_properties": True},
+    )
+    params = request.structured_outputs_params()
+    assert params.json == {"type": "object"}
+    assert params.disable_any_whitespace and params.disable_additional_properties
+    both = ChatCompletionRequest(
+        **fields, response_format=schema, structured_outputs={"regex": "a"}
+    )
+    with pytest.raises(ValueError, match="must not both constrain"):
+        both.structured_outputs_params()
+    bad = ChatCompletionRequest(
+        **fields, response_format=schema, structured_outputs={"disable_any_whitespace": "yes"}
+    )
+    with pytest.raises(ValueError, match="disable_any_whitespace must be a boolean"):
+        bad.structured_outputs_params()
+
+
+def test_json_options_are_structured_outputs_config_fields():
+    from kiln.config.structured_outputs import parse_structured_outputs_config
+
+    parsed = parse_structured_outputs_config('{"disable_any_whitespace": true}')
+    assert parsed == {"disable_any_whitespace": True}
+    with pytest.raises(ValueError, match="structured_outputs.disable_additional_properties"):
+        StructuredOutputsConfig(disable_additional_properties="no")

@@ -43,6 +43,7 @@ def make_scheduler(
     num_blocks=64,
     reasoning_parser=None,
     enable_in_reasoning=False,
+    **json_options,
 ):
     config = KilnConfig(
         model=ModelConfig(max_model_len=256),
@@ -53,6 +54,7 @@ def make_scheduler(
             max_compile_seconds=max_compile_seconds,
             reasoning_parser=reasoning_parser,
             enable_in_reasoning=enable_in_reasoning,
+            **json_options,
         ),
     )
     scheduler = Scheduler(config, num_blocks)
@@ -342,3 +344,36 @@ def test_a_reasoning_matcher_rolls_back_across_the_end_of_the_thinking(tokenizer
     for token_id in thinking[2:]:
         assert matcher.accept_token(token_id)
     assert matcher.is_reasoning_ended and matcher.accept_token(no)
+
+
+def _mask_size_after_brace(tokenizer, structured: StructuredOutputsParams, **json_options) -> int:
+    """How many tokens ``structured``'s grammar allows after ``{``, on a server with
+    ``json_options`` (``StructuredOutputsConfig`` fields)."""
+    scheduler = make_scheduler(tokenizer, "xgrammar", **json_options)
+    scheduler.add_request(make_request(tokenizer, "j", structured))
+    (brace,) = tokenizer.encode("{", add_special_tokens=False)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        so = scheduler.schedule()
+        if so.grammar_bitmask is not None:
+            if scheduler.requests["j"].num_output_tokens:
+                bits = np.unpackbits(so.grammar_bitmask[0].view(np.uint8), bitorder="little")
+                return int(bits.sum())
+            scheduler.update_from_output(so, ModelRunnerOutput(["j"], {"j": 0}, [[brace]]))
+            continue
+        scheduler.update_from_output(so, ModelRunnerOutput([], {}, []))
+        time.sleep(0.01)
+    raise AssertionError("the grammar never compiled")
+
+
+def test_disable_any_whitespace_as_a_server_default_or_per_request(tokenizer):
+    """The server's option (``--structured-outputs-config '{"disable_any_whitespace": true}'``)
+    gives every JSON grammar the mask the request's own option gives: no whitespace tokens."""
+    loose = _mask_size_after_brace(tokenizer, StructuredOutputsParams(json_object=True))
+    per_request = _mask_size_after_brace(
+        tokenizer, StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    )
+    by_server = _mask_size_after_brace(
+        tokenizer, StructuredOutputsParams(json_object=True), disable_any_whitespace=True
+    )
+    assert by_server == per_request < loose

@@ -64,6 +64,16 @@ class StructuredOutputsConfig:
     )
     """With a reasoning parser, constrain the thinking too: the grammar applies from the first
     token instead of after the thinking (vLLM's option of that name)."""
+    disable_any_whitespace: bool = field(
+        default=False, metadata={"set_by": "structured_outputs_config"}
+    )
+    """Every JSON grammar of this server without whitespace between tokens (no newlines or
+    indentation), as if each request set it: a small model then cannot run on in whitespace."""
+    disable_additional_properties: bool = field(
+        default=False, metadata={"set_by": "structured_outputs_config"}
+    )
+    """Every JSON schema of this server read as ``"additionalProperties": false`` where it does
+    not say, as if each request set it."""
     reasoning_parser: str | None = field(default=None, metadata={"metavar": "NAME"})
     """The model thinks before it answers, in this parser's format: qwen3 (<think>...</think>) or
     a name a plugin registered. The chat route splits the thinking into reasoning_content, and a
@@ -76,6 +86,13 @@ class StructuredOutputsConfig:
             self.backend,
             str(STRUCTURED_OUTPUT_BACKENDS),
         )
+        for name in (
+            "enable_in_reasoning",
+            "disable_any_whitespace",
+            "disable_additional_properties",
+        ):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"structured_outputs.{name}", value, "true or false")
         check(
             isinstance(self.max_compile_seconds, (int, float)) and self.max_compile_seconds > 0,
             "structured_outputs.max_compile_seconds",

@@ -27,6 +27,7 @@ What it must not know: scheduling policy, the model, devices.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -104,8 +105,11 @@ class StructuredOutputManager:
         """The compile of ``params``' grammar: cached, or started now in the pool.
 
         A spec no backend reads gives a future that raises ``ValueError`` (the front end checks
-        specs first, so this is a guard).
+        specs first, so this is a guard). The server's JSON options
+        (``structured_outputs.disable_any_whitespace``, ``disable_additional_properties``) apply
+        to every request, beside the request's own.
         """
+        params = self._with_server_options(params)
         try:
             backend_name = choose_backend(params, self.backend_name)
         except ValueError as exc:
@@ -125,6 +129,15 @@ class StructuredOutputManager:
         if len(self._cache) > MAX_CACHED_GRAMMARS:
             self._cache.popitem(last=False)
         return future
+
+    def _with_server_options(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        config = self.config.structured_outputs
+        options = {
+            name: True
+            for name in ("disable_any_whitespace", "disable_additional_properties")
+            if getattr(config, name) and not getattr(params, name)
+        }
+        return dataclasses.replace(params, **options) if options else params
 
     def make_matcher(
         self, future: Future[Grammar], prompt_token_ids: Sequence[int] = ()

@@ -15,6 +15,7 @@ are null, is exactly OpenAI's); their shapes are documented there.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -249,6 +250,10 @@ class ChatMessage(OpenAIBaseModel):
         return message_text(content) if isinstance(content, list) else content
 
 
+JSON_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
+"""``structured_outputs`` keys that shape a JSON grammar without being one."""
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -302,21 +307,25 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """``structured_outputs`` or ``response_format`` (not both).
+        """``structured_outputs`` or ``response_format``; beside ``response_format``,
+        ``structured_outputs`` may hold the JSON options only (``disable_any_whitespace``,
+        ``disable_additional_properties``), which then apply to the format's grammar, as in vLLM.
 
         Raises:
-            ValueError: both are set, or either is invalid (names the field).
+            ValueError: both constrain the output, or either is invalid (names the field).
         """
         from_format = None
         if self.response_format is not None:
             from_format = self.response_format.structured_outputs_params()
         if from_format is None:
             return super().structured_outputs_params()
-        if self.structured_outputs is not None:
+        options = self.structured_outputs or {}
+        if set(options) - set(JSON_OPTIONS):
             raise ValueError(
-                "structured_outputs and response_format must not both constrain the output"
+                "structured_outputs and response_format must not both constrain the output; "
+                f"allowed beside response_format: structured_outputs with {list(JSON_OPTIONS)} only"
             )
-        return from_format
+        return dataclasses.replace(from_format, **options)
 
 
 class TokenizeRequest(RequestBody):
