@@ -20,6 +20,8 @@ Environment variables switch each behaviour on, so the package can stay installe
                                             context of a prefill chunk (a prefix-cache hit too)
 - KILN_TEST_COMMUNICATOR_LOG=PATH           the platform's communicator notes in PATH which
                                             collectives each rank ran
+- KILN_TEST_GRAPH_LOG=PATH                  the platform's graph wrapper notes in PATH each capture
+                                            (parallel sizes, rank, buckets)
 - KILN_TEST_NON_IDEMPOTENT=raise|grow       the general plugin's register() raises when run
                                             again, or registers one more model each run
 """

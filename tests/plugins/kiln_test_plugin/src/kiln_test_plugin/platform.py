@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kiln.config import KilnConfig
-from kiln.platforms.cpu import CpuPlatform
+from kiln.plugin_api import CpuPlatform, KilnConfig
 
 
 class TestPlatform(CpuPlatform):
