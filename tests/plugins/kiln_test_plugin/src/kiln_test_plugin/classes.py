@@ -73,6 +73,29 @@ class TestScheduler(Scheduler):
     """Kiln's scheduler under the plugin's own name."""
 
 
+class DynamicBatchScheduler(Scheduler):
+    """The documented extension point (a ``SchedulerDynamicBatch``-style scheduler): each step's
+    token budget is chosen before ``super().schedule()`` (here the config's and half of it in
+    turn; a real one would follow measured step times), never above the config's."""
+
+    def __init__(self, config: KilnConfig, num_blocks: int) -> None:
+        super().__init__(config, num_blocks)
+        self.max_budget = self.max_num_batched_tokens
+
+    def schedule(self) -> Any:
+        is_full = self.max_num_batched_tokens == self.max_budget
+        self.max_num_batched_tokens = self.max_budget // 2 if is_full else self.max_budget
+        return super().schedule()
+
+
+class OverBudgetScheduler(Scheduler):
+    """Breaks the contract: schedules twice the config's token budget."""
+
+    def __init__(self, config: KilnConfig, num_blocks: int) -> None:
+        super().__init__(config, num_blocks)
+        self.max_num_batched_tokens *= 2
+
+
 class LoggingCommunicator(TorchDistCommunicator):
     """Kiln's ``torch.distributed`` communicator under the plugin's name. With
     ``KILN_TEST_COMMUNICATOR_LOG`` set, each rank appends ``"<rank> <method>"`` to that file the
@@ -105,6 +128,15 @@ class LoggingCommunicator(TorchDistCommunicator):
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         self._log("recv")
         return super().recv(tensor, src)
+
+
+class CopyReduceCommunicator(TorchDistCommunicator):
+    """Breaks the contract: reduces in place but returns a copy taken before the reduction."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        before = tensor.clone()
+        super().all_reduce(tensor)
+        return before
 
 
 class CommunicatorMissingMethod:
