@@ -84,7 +84,11 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from parallel_utils import TOKEN_PROMPTS, greedy_tokens
 sizes = [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
-tokens = [greedy_tokens(sys.argv[2], TOKEN_PROMPTS, tokenizer=sys.argv[3], **s) for s in sizes]
+# Buckets named as a user (or a platform) would: captured at TP=1 only.
+buckets = {"graph_capture_sizes": [1, 2]}
+tokens = [
+    greedy_tokens(sys.argv[2], TOKEN_PROMPTS, tokenizer=sys.argv[3], **buckets, **s) for s in sizes
+]
 print(json.dumps(tokens))
 """
 
@@ -95,12 +99,14 @@ def test_collectives_run_through_the_communicator_the_platform_names(
 ):
     folder, _ = tiny_llama  # its tokens are the x86 platform's: compared here on the plugin's
     log = tmp_path / "collectives.log"
+    graph_log = tmp_path / "graphs.log"
     # The test plugin's platform (a process selects its platform once: a fresh interpreter).
     env = {
         **os.environ,
         "KILN_TEST_PLATFORM": "1",
         "KILN_PLATFORM": "kiln_test",
         "KILN_TEST_COMMUNICATOR_LOG": str(log),
+        "KILN_TEST_GRAPH_LOG": str(graph_log),
     }
     here = str(pathlib.Path(__file__).parent)
     proc = subprocess.run(
@@ -118,6 +124,9 @@ def test_collectives_run_through_the_communicator_the_platform_names(
     tp_calls = {f"{rank} {method}" for rank in (0, 1) for method in ("all_reduce", "all_gather")}
     assert tp_calls <= calls, calls
     assert {"0 send", "1 recv"} <= calls, calls
+    # Graphs are off with more than one rank (a trace cannot record collectives); with one rank
+    # the named buckets are captured.
+    assert graph_log.read_text().splitlines() == ["tp=1 pp=1 rank=0 capture [1, 2]"]
 
 
 @pytest.mark.parametrize("method", ["gguf", "int8", "int4"])

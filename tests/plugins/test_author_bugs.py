@@ -90,9 +90,9 @@ def test_op_implementations_are_reported_when_the_plugin_config_is_invalid():
     assert ("linear", "onednn") in impls, impls  # the cpu platform's own implementation
 
 
-def _plugin_register(registry, scale):
+def _plugin_register(registry, scale, factor=2.0):
     def scaled(op, x):
-        return x * scale
+        return x * factor
 
     # The README's pattern: a lambda predicate written inside register().
     registry.register_impl(
@@ -101,22 +101,27 @@ def _plugin_register(registry, scale):
     registry.register_impl(
         "my_op", "captures", device_type="npu", supports=lambda op, x: x.shape[0] == scale
     )(_impl)
+    # An implementation defined inside register() (issue 25): a new function each run.
+    registry.register_impl("my_op", "nested", device_type="npu", priority=-1)(scaled)
 
 
 def _impl(op, x):
     return x
 
 
-def test_the_readme_lambda_predicate_registers_again_without_error():
+def test_a_lambda_predicate_and_a_nested_implementation_register_again_without_error():
     registry = OpRegistry()
     _plugin_register(registry, 2)
     generation = registry.generation
     _plugin_register(registry, 2)
     assert registry.generation == generation
-    assert len(registry.implementations("my_op")) == 2
-    # A predicate that captured another value is another registration: refused as before.
+    assert len(registry.implementations("my_op")) == 3
+    # A predicate or an implementation that captured another value is another registration:
+    # refused as before.
     with pytest.raises(ValueError, match="already has an implementation from provider 'captures'"):
         _plugin_register(registry, 3)
+    with pytest.raises(ValueError, match="already has an implementation from provider 'nested'"):
+        _plugin_register(registry, 2, factor=3.0)
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ def test_ops_check_catches_an_implementation_off_by_a_little():
         "kiln_test_wrong": "mismatch",
         "kiln_test_fast": "ok",
         "kiln_test_generic": "ok",
+        "kiln_test_nested": "ok",
     }
     with pytest.raises(AssertionError, match=r"kiln_test_scale\[kiln_test_wrong\]: Tensor-likes"):
         kit.test_op_implementations_match_native("kiln_test", env)
@@ -97,3 +98,21 @@ def test_logits_tolerance_mode_accepts_the_reference_within_its_thresholds():
     want = reference_greedy()
     exact = LogitsTolerance(min_top1_agreement=1.0, max_logprob_diff=0)
     assert compare_greedy(want, want, exact) is None
+
+
+def test_scheduler_check_catches_a_scheduler_over_the_token_budget():
+    env = {**PLATFORM, "KILN_TEST_BAD_CLASS": "over-budget"}
+    with pytest.raises(AssertionError, match="OverBudgetScheduler: step 1 scheduled 32 tokens"):
+        kit.test_scheduler_keeps_its_contract("kiln_test", env)
+
+
+def test_scheduler_check_passes_a_scheduler_that_lowers_its_budget_per_step():
+    result = run_check("scheduler", "kiln_test", {**PLATFORM, "KILN_TEST_BAD_CLASS": "dynamic"})
+    assert result["scheduler_cls"].endswith("DynamicBatchScheduler")
+    assert not result["problems"] and result["steps"] > 0
+
+
+def test_communicator_check_catches_an_all_reduce_that_returns_its_input():
+    env = {**PLATFORM, "KILN_TEST_BAD_CLASS": "copy-reduce"}
+    with pytest.raises(AssertionError, match="all_reduce returned .* not the sum over ranks"):
+        kit.test_communicator_keeps_its_contract("kiln_test", env)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.testing.conformance import *  # noqa: F403
+from kiln.plugin_api.conformance import *  # noqa: F403
 
 pytestmark = pytest.mark.plugin
 

@@ -111,3 +111,10 @@ class PluginConfig:
     )
     """Settings by plugin name, ``{"plugin-name": {"key": 1}}``, as JSON on the command line;
     each plugin declares and validates its own (see ``kiln plugins``)."""
+    platform_changes: tuple[tuple[str, Any, Any], ...] = field(
+        default=(), metadata={"internal": True}
+    )
+    """``(field, old, new)`` for every field the platform's ``check_and_update_config`` changed,
+    set by the lifecycle's configure phase (not a flag). It travels with the config to the
+    engine core and the workers, whose own configure finds the config already updated, so that
+    each process's ``kiln plugins`` report lists the changes."""

@@ -98,9 +98,10 @@ class OpRegistry:
         """Decorator: register ``fn(module, *args, **kwargs)`` as ``provider``'s version of ``op``.
 
         Registering the same implementation again is a no-op, so that a plugin's ``register()``
-        is idempotent: the same function object, priority and ``supports`` predicate, where a
-        predicate written as a lambda in ``register()`` counts as the same when its code,
-        defaults and captured values are (each run makes a new lambda object).
+        is idempotent: the same function, priority and ``supports`` predicate, where a function
+        or predicate defined inside ``register()`` (a nested ``def`` or a ``lambda``: each run
+        makes a new object) counts as the same when its qualified name, code, defaults and
+        captured values are. Module-level functions need none of this.
 
         Raises:
             ValueError: ``provider`` already has a different implementation of ``op`` for
@@ -150,16 +151,23 @@ class OpRegistry:
 
 
 def _same_impl(a: OpImpl, b: OpImpl) -> bool:
-    return a.fn is b.fn and a.priority == b.priority and _same_predicate(a.supports, b.supports)
+    return (
+        _same_function(a.fn, b.fn)
+        and a.priority == b.priority
+        and _same_function(a.supports, b.supports)
+    )
 
 
-def _same_predicate(a: Callable[..., bool] | None, b: Callable[..., bool] | None) -> bool:
-    """Whether two ``supports`` predicates are the same object, or functions with the same code,
-    defaults and captured values (a lambda re-created by running the same line again)."""
+def _same_function(a: Callable[..., Any] | None, b: Callable[..., Any] | None) -> bool:
+    """Whether two implementations or ``supports`` predicates are the same object, or functions
+    of the same qualified name, code, defaults and captured values: a nested function or a lambda
+    re-created by running the same ``register()`` again."""
     if a is b:
         return True
     code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
     if code_a is None or code_a != code_b:
+        return False
+    if getattr(a, "__qualname__", None) != getattr(b, "__qualname__", None):
         return False
     try:
         cells_a = [c.cell_contents for c in a.__closure__ or ()]  # type: ignore[union-attr]

@@ -10,16 +10,13 @@ from __future__ import annotations
 from kiln.plugins.registry import Registry
 from kiln.utils import resolve_obj_by_qualname
 
-MODEL_REGISTRY: Registry[str] = Registry("model")
-
 _BUILTIN_MODELS = {
     "LlamaForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
     "MistralForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
     "Qwen2ForCausalLM": "kiln.model_executor.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kiln.model_executor.models.qwen3.Qwen3ForCausalLM",
 }
-for _arch, _path in _BUILTIN_MODELS.items():
-    MODEL_REGISTRY.register(_arch, _path)
+MODEL_REGISTRY: Registry[str] = Registry("model", builtins=_BUILTIN_MODELS)
 
 
 def resolve_model_cls(architectures: list[str]) -> type:

@@ -2,8 +2,9 @@
 
 The report lists every entry point and its status, each platform detector's verdict, the chosen
 platform and why, every config field the platform changed, every registry override, every op
-implementation and model or loader a plugin registered, every patch with its status, and the
-declared plugin config sections.
+implementation, every entry a plugin added to a registry (models, loaders, ops, tool and reasoning
+parsers, config sections: each registry alive in the process, whatever its layer), every patch
+with its status, and the declared plugin config sections.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from typing import Any
 
 from kiln.config import KilnConfig
 from kiln.model_executor.custom_op import OP_REGISTRY
-from kiln.model_executor.loader import LOADER_REGISTRY
-from kiln.model_executor.registry import MODEL_REGISTRY
 from kiln.platforms.interface import PLATFORM_API_VERSION
 from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 from kiln.plugins.interfaces import CLASS_FIELDS, resolve_class
 from kiln.plugins.manager import PluginManager
-from kiln.plugins.registry import describe
+from kiln.plugins.registry import describe, registries
 
 
 def _jsonable(value: Any) -> Any:
@@ -76,16 +75,8 @@ def build_report(
                 except Exception as exc:
                     status = f"{type(exc).__name__}: {exc}"
             classes.append({"field": field, "class": qualname, "status": status})
-    overrides = [
-        vars(o)
-        for o in (
-            *MODEL_REGISTRY.overrides,
-            *LOADER_REGISTRY.overrides,
-            *OP_REGISTRY.ops.overrides,
-            *OP_REGISTRY.overrides,
-            *PLUGIN_CONFIG_REGISTRY.sections.overrides,
-        )
-    ]
+    live = registries()
+    overrides = [vars(o) for o in (*(o for r in live for o in r.overrides), *OP_REGISTRY.overrides)]
     op_impls = [
         {
             "op": impl.op,
@@ -105,7 +96,7 @@ def build_report(
             "value": describe(value),
             "plugin": reg.source_of(name),
         }
-        for reg in (MODEL_REGISTRY, LOADER_REGISTRY, OP_REGISTRY.ops)
+        for reg in live
         for name, value in reg.items()
         if reg.source_of(name) != "kiln"
     ]

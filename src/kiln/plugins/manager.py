@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,9 +268,11 @@ class PluginManager:
                 f"{platform_cls.__qualname__}.check_and_update_config must return a KilnConfig, "
                 f"got {type(updated).__name__}"
             )
-        self.config_changes = config.diff(updated)
-        for old_new in self.config_changes:
+        new_changes = [c for c in config.diff(updated) if c[0] != CHANGES_FIELD]
+        for old_new in new_changes:
             logger.debug("platform %s set %s: %r -> %r", platform_cls.name, *old_new)
+        self.config_changes = merge_changes(config.plugins.platform_changes, new_changes)
+        updated = updated.replace(plugins__platform_changes=tuple(self.config_changes))
         unfilled = [name for name in CLASS_FIELDS if getattr(updated.device, name) == AUTO]
         if unfilled:
             raise ValueError(f"platform {platform_cls.name!r} left {unfilled} unset ('auto')")
@@ -296,6 +299,20 @@ class PluginManager:
             return
         self.patches.apply("worker")
         self.phases.append("init-worker")
+
+
+CHANGES_FIELD = "plugins.platform_changes"
+
+
+def merge_changes(
+    earlier: Sequence[tuple[str, Any, Any]], later: Sequence[tuple[str, Any, Any]]
+) -> list[tuple[str, Any, Any]]:
+    """The changes of two configure passes in a row (another process's, then this one's): a
+    field keeps its first old value and takes its last new one; one changed back is dropped."""
+    merged = {name: (old, new) for name, old, new in earlier}
+    for name, old, new in later:
+        merged[name] = (merged.get(name, (old, new))[0], new)
+    return [(name, old, new) for name, (old, new) in merged.items() if old != new]
 
 
 _MANAGER: PluginManager | None = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -58,12 +59,24 @@ class Registry(Generic[T]):
 
     Args:
         kind: what the registry holds ("model", "loader"), used in messages and introspection.
+        builtins: Kiln's own entries, attributed to ``"kiln"`` whichever plugin's ``register()``
+            is running when the registry's module is first imported.
+
+    Side effect: the registry is listed by ``registries()`` while it lives.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, builtins: Mapping[str, T] | None = None) -> None:
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
         self.overrides: list[Override] = []
+        self.register_builtins(builtins or {})
+        _registries.append(weakref.ref(self))
+
+    def register_builtins(self, entries: Mapping[str, T]) -> None:
+        """Add Kiln's own ``entries`` (attributed to ``"kiln"``, not to a running plugin)."""
+        with registering_as("kiln"):
+            for name, value in entries.items():
+                self.register(name, value)
 
     def register(self, name: str, value: T, *, override: bool = False) -> None:
         """Add ``name``.
@@ -110,6 +123,18 @@ class Registry(Generic[T]):
 
     def items(self) -> list[tuple[str, T]]:
         return [(name, entry.value) for name, entry in self._entries.items()]
+
+
+_registries: list[weakref.ref[Registry]] = []
+
+
+def registries() -> list[Registry]:
+    """Every registry alive in this process, in the order they were made (their modules were
+    imported): what ``kiln plugins`` lists plugin registrations and overrides from, whatever layer
+    a registry lives in (a registry with a plugin's entries was imported by that plugin)."""
+    alive = [registry for ref in _registries if (registry := ref()) is not None]
+    _registries[:] = [weakref.ref(registry) for registry in alive]
+    return alive
 
 
 def describe(value: object) -> str:

@@ -99,7 +99,7 @@ class Qwen3ReasoningParser(ThinkTagReasoningParser):
     """``--reasoning-parser qwen3``: ``<think>...</think>``."""
 
 
-REASONING_PARSER_REGISTRY.register("qwen3", "kiln.reasoning.Qwen3ReasoningParser")
+REASONING_PARSER_REGISTRY.register_builtins({"qwen3": "kiln.reasoning.Qwen3ReasoningParser"})
 
 
 def resolve_reasoning_parser(name: str) -> type[ReasoningParser]:

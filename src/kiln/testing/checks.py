@@ -9,6 +9,8 @@ PLATFORM [ARG]`` prints one JSON object on its last line.
   ``LLM`` on the platform with a token budget of 16 (chunked prefill, prefix-cache hits), and the
   teacher-forced log-probabilities of the reference platform's completions; the kit compares them
   with the same run on the reference cpu platform (``kiln.testing.compare_greedy``).
+- ``scheduler``, ``communicator``: the contracts of the platform's scheduler and communicator,
+  without a model (``kiln.testing.contracts``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from kiln.config import DeviceConfig, KilnConfig
+from kiln.testing.contracts import check_communicator, check_scheduler
 
 
 def _init(platform: str) -> None:
@@ -35,9 +38,14 @@ def _snapshot() -> dict[str, Any]:
     from kiln.model_executor.registry import MODEL_REGISTRY
     from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
     from kiln.plugins.manager import get_plugin_manager
-    from kiln.plugins.registry import describe
+    from kiln.plugins.registry import describe, registries
 
     return {
+        "registries": sorted(
+            (reg.kind, name, describe(value), reg.source_of(name))
+            for reg in registries()
+            for name, value in reg.items()
+        ),
         "models": sorted((n, describe(v)) for n, v in MODEL_REGISTRY.items()),
         "loaders": sorted((n, describe(v)) for n, v in LOADER_REGISTRY.items()),
         "ops": sorted((n, describe(v)) for n, v in OP_REGISTRY.ops.items()),
@@ -252,7 +260,13 @@ def _teacher_forced(llm: Any, prompts: list[list[int]], completions: list[list[i
     return result
 
 
-CHECKS = {"idempotence": check_idempotence, "ops": check_ops, "greedy": check_greedy}
+CHECKS = {
+    "idempotence": check_idempotence,
+    "ops": check_ops,
+    "greedy": check_greedy,
+    "scheduler": check_scheduler,
+    "communicator": check_communicator,
+}
 
 if __name__ == "__main__":
     name, platform, *rest = sys.argv[1:]

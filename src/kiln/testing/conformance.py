@@ -12,8 +12,11 @@ general plugin's ``register()`` again changes no registry (Kiln's own ops includ
 nothing; each op implementation for the platform's device type matches ``forward_native`` on the
 op's examples; and the default model (float32) generates the reference cpu platform's greedy
 tokens with a token budget of 16 (chunked prefill mixed with decodes) and prompts that share a
-prefix (prefix-cache hits). Kiln's own test suite runs each check against a deliberately broken
-plugin and sees it fail. Its cost: about two model loads and a few hundred tokens per platform.
+prefix (prefix-cache hits); the scheduler keeps its token budget and finishes every request
+against a fake runner; the communicator's collectives give the documented results in three
+processes (``kiln.testing.contracts``). Kiln's own test suite runs each check against a
+deliberately broken plugin and sees it fail. Its cost: about two model loads and a few hundred
+tokens per platform, and four short processes without a model.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ __all__ = [
     "test_registration_is_idempotent",
     "test_op_implementations_match_native",
     "test_greedy_tokens_match_the_reference_platform",
+    "test_scheduler_keeps_its_contract",
+    "test_communicator_keeps_its_contract",
 ]
 
 
@@ -121,3 +126,19 @@ def test_greedy_tokens_match_the_reference_platform(
     got = run_check("greedy", kiln_platform, kiln_platform_env, json.dumps(want["tokens"]))
     problem = compare_greedy(got, want, kiln_logits_tolerance)
     assert problem is None, problem
+
+
+def test_scheduler_keeps_its_contract(kiln_platform: str, kiln_platform_env: dict) -> None:
+    """The platform's scheduler, against a fake runner: every step within the config's
+    ``max_num_batched_tokens`` and ``max_num_seqs``, requests scheduled contiguously, and each
+    ending with its ``max_tokens`` sampled tokens."""
+    result = run_check("scheduler", kiln_platform, kiln_platform_env)
+    assert not result["problems"], f"{result['scheduler_cls']}: " + "\n".join(result["problems"])
+
+
+def test_communicator_keeps_its_contract(kiln_platform: str, kiln_platform_env: dict) -> None:
+    """The platform's communicator in three processes: ``all_reduce`` returns the sum,
+    ``all_gather`` in rank order, ``broadcast``, ``send``/``recv``, and a ``ranks=`` sub-group
+    the class makes itself (for a class that takes ``ranks``)."""
+    result = run_check("communicator", kiln_platform, kiln_platform_env)
+    assert not result["problems"], f"{result['communicator_cls']}: " + "\n".join(result["problems"])

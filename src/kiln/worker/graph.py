@@ -76,6 +76,32 @@ def graph_capture_sizes(config: KilnConfig, supports_graph_capture: bool) -> lis
     return sorted(kept)
 
 
+def no_capture_reason(config: KilnConfig) -> str | None:
+    """Why the runner captures no graph for ``config``, whatever ``graph_capture_sizes`` says
+    (set by a user or a platform); None where it may.
+
+    Under tensor or pipeline parallelism a graph would record the model's collectives (the
+    all-reduces, the stage transfers), which a trace cannot record (``torch.jit.trace`` fails on
+    every rank: "unsupported input list type: Tensor[]"): every step runs eagerly there. With
+    LoRA a step's adapter slots are an input no captured graph knows about. The runner logs the
+    reason when it drops buckets it was given.
+    """
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        return (
+            f"tensor_parallel_size={parallel.tensor_parallel_size}: a graph would record the "
+            "model's all-reduces, which a trace cannot replay"
+        )
+    if parallel.pipeline_parallel_size > 1:
+        return (
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}: a graph would record "
+            "the stage transfers"
+        )
+    if config.lora.enable_lora:
+        return "LoRA: a step's adapter slots are an input no captured graph knows about"
+    return None
+
+
 def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
     """The smallest bucket of ``sizes`` (ascending) that holds ``num_tokens``, or None."""
     for size in sizes:

@@ -61,7 +61,7 @@ from kiln.scheduler.kv_cache import NULL_BLOCK_ID
 from kiln.spec_decode.speculator import Speculator
 from kiln.spec_decode.verify import emitted_tokens, logits_positions
 from kiln.utils import resolve_obj_by_qualname
-from kiln.worker.graph import graph_capture_sizes, padded_size
+from kiln.worker.graph import graph_capture_sizes, no_capture_reason, padded_size
 from kiln.worker.input_batch import InputBatch
 from kiln.worker.worker_base import ModelRunnerBase
 
@@ -115,9 +115,11 @@ class ModelRunner(ModelRunnerBase):
         self.pp_group = get_pp_group()
         self.runnable = wrapper_cls(model, self.config)
         self.graph_sizes = graph_capture_sizes(self.config, current_platform.supports_graph_capture)
-        if self.config.lora.enable_lora:
-            # A step's adapter slots are an input no captured graph knows about: run eagerly.
+        reason = no_capture_reason(self.config)
+        if self.graph_sizes and reason:
+            logger.info("graphs off (graph_capture_sizes=%s): %s", self.graph_sizes, reason)
             self.graph_sizes = []
+        if self.config.lora.enable_lora:
             self.lora_manager = LoRAModelManager(
                 model, self.config.lora, self.hf_config, self.dtype, self.device
             )

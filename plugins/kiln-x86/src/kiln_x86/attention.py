@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kiln.model_executor.layers.attention.backend import (
+from kiln.plugin_api import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -51,7 +51,7 @@ def load_attention_kernels() -> ModuleType | None:
 
 def _reference_backend() -> type[AttentionBackend]:
     # The reference platform's backend, which X86Platform's parent names; only without a compiler.
-    from kiln.model_executor.layers.attention.backends.cpu import CPUAttentionBackend
+    from kiln.plugin_api import CPUAttentionBackend
 
     return CPUAttentionBackend
 

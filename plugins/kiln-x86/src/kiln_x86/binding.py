@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.platforms import worker_cpus
+from kiln.plugin_api import worker_cpus
 from kiln_x86.options import CPUS_AUTO, CPUS_NONE, X86Options, parse_cpu_list
 
 if TYPE_CHECKING:
-    from kiln.config import KilnConfig
+    from kiln.plugin_api import KilnConfig
 
 USABLE_CPUS_ENV = "KILN_X86_USABLE_CPUS"
 """Cores the API server was allowed before it pinned itself (read by the engine it starts)."""

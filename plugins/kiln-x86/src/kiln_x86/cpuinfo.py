@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import platform
 
-from kiln.platforms import cpu_flags
+from kiln.plugin_api import cpu_flags
 
 FEATURES: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma"),

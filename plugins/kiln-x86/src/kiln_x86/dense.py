@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from kiln.model_executor.custom_op import register_impl
-from kiln.model_executor.layers.linear import UnquantizedLinearMethod
+from kiln.plugin_api import UnquantizedLinearMethod, register_impl
 
 PROVIDER = "kiln_x86_dense"
 PRIORITY = 20

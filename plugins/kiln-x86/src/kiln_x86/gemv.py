@@ -39,8 +39,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from kiln.model_executor.custom_op import is_capturing
-from kiln.platforms import cpu_flags
+from kiln.plugin_api import cpu_flags, is_capturing
 from kiln_x86 import kernels
 
 SOURCE = Path(__file__).parent / "csrc" / "x86_gemv.cpp"

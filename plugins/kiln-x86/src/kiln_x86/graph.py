@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from kiln.config import KilnConfig
-from kiln.worker.graph import GraphWrapper
+from kiln.plugin_api import GraphWrapper, KilnConfig
 from kiln_x86.kernels import cache_dir
 
 logger = logging.getLogger(__name__)

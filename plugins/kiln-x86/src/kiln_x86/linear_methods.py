@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.model_executor.layers.quantization import (
+from kiln.plugin_api import (
     INT4_GROUP_SIZE,
     GGUFLinearMethod,
     GGUFWeight,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kiln.model_executor.custom_op import register_impl
+from kiln.plugin_api import register_impl
 from kiln_x86.kernels import CFLAGS, load_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "x86_lora.cpp"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kiln.model_executor.custom_op import is_capturing, register_impl
+from kiln.plugin_api import is_capturing, register_impl
 from kiln_x86 import gemv
 from kiln_x86.kernels import load_kernels
 

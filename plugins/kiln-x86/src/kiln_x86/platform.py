@@ -25,7 +25,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from kiln.platforms.cpu import CpuOptions, CpuPlatform
+from kiln.plugin_api import CpuOptions, CpuPlatform
 from kiln_x86.binding import (
     USABLE_CPUS_ENV,
     BindingPlan,
@@ -39,8 +39,7 @@ from kiln_x86.cpuinfo import cpu_features
 from kiln_x86.options import X86Options
 
 if TYPE_CHECKING:
-    from kiln.config import KilnConfig
-    from kiln.model_executor.layers.linear import QuantizationConfig
+    from kiln.plugin_api import KilnConfig, QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +84,9 @@ def _graph_mode(config: KilnConfig, mode: str) -> KilnConfig:
     """The graph wrapper of ``x86.graph`` (unless ``device.graph_wrapper_cls`` names one) and its
     default buckets: ``TRACE_SIZES`` for a trace; none for inductor (compiling one takes minutes
     on a first start, which every engine start would pay); none with tensor or pipeline
-    parallelism, whose collectives a trace cannot record, or in batch-invariant mode.
-
-    Raises:
-        ValueError: ``--graph-capture-sizes`` given with a trace and tensor or pipeline
-            parallelism.
+    parallelism, whose collectives a trace cannot record, or in batch-invariant mode. Buckets
+    given under tensor or pipeline parallelism are left as they are: Kiln's model runner
+    captures no graph there (``kiln.worker.graph.no_capture_reason``) and logs why.
     """
     device, parallel = config.device, config.parallel
     wrapper = device.graph_wrapper_cls
@@ -102,12 +99,6 @@ def _graph_mode(config: KilnConfig, mode: str) -> KilnConfig:
         quiet = distributed or config.model.batch_invariant
         sizes = TRACE_SIZES if traced and not quiet else ()
         return config.replace(device__graph_capture_sizes=sizes)
-    if wrapper == TRACED_WRAPPER and distributed and device.graph_capture_sizes:
-        raise ValueError(
-            f"device.graph_capture_sizes={device.graph_capture_sizes!r} is invalid with "
-            "x86.graph='trace' and tensor or pipeline parallelism (a trace cannot record their "
-            "collectives); allowed: none, or x86.graph='inductor'"
-        )
     return config
 
 
@@ -130,7 +121,7 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def get_quant_config(cls, method: str, config: KilnConfig) -> QuantizationConfig:
-        from kiln.model_executor.layers.quantization import (
+        from kiln.plugin_api import (
             GGUFQuantConfig,
             Int4QuantConfig,
             Int8QuantConfig,
@@ -186,7 +177,7 @@ class X86Platform(CpuPlatform):
     def options(cls, config: KilnConfig) -> X86Options:
         """The ``x86`` section; ``cpu.num_threads`` (the reference platform's documented flag)
         stands in for an unset ``x86.num_threads``."""
-        from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+        from kiln.plugin_api import PLUGIN_CONFIG_REGISTRY
 
         options = PLUGIN_CONFIG_REGISTRY.get(cls.name, config)
         cpu_threads = config.plugins.sections.get(CPU_SECTION, {}).get("num_threads")
@@ -209,7 +200,7 @@ class X86Platform(CpuPlatform):
     def thread_plan(cls, config: KilnConfig) -> BindingPlan:
         """This worker's threads and cores (read before ``init_worker_process`` pins them: the
         pinning narrows what ``usable_cpus`` sees)."""
-        from kiln.platforms import process_role
+        from kiln.plugin_api import process_role
 
         return plan_binding(cls.options(config), process_role(), usable_cpus(), config)
 
@@ -217,7 +208,7 @@ class X86Platform(CpuPlatform):
     def init_worker_process(cls, config: KilnConfig) -> None:
         import torch
 
-        from kiln.platforms import process_role
+        from kiln.plugin_api import process_role
 
         plan = cls.thread_plan(config)
         _start_helpers(plan.helper_cpus)
@@ -237,7 +228,7 @@ class X86Platform(CpuPlatform):
 
     @classmethod
     def register_ops(cls) -> None:
-        from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+        from kiln.plugin_api import PLUGIN_CONFIG_REGISTRY
         from kiln_x86.dense import register_dense_ops
         from kiln_x86.lora import register_x86_lora
         from kiln_x86.ops import register_x86_ops

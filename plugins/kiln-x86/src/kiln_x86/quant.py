@@ -45,7 +45,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
-from kiln.model_executor.custom_op import is_capturing
+from kiln.plugin_api import is_capturing
 from kiln_x86 import gemv, kernels
 from kiln_x86.gemv import TiledWeight
 

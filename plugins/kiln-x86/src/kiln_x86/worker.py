@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.config import KilnConfig
-from kiln.messages import ModelRunnerOutput, SchedulerOutput
-from kiln.worker.worker import Worker
+from kiln.plugin_api import KilnConfig, ModelRunnerOutput, SchedulerOutput, Worker
 
 
 class X86Worker(Worker):

@@ -10,16 +10,13 @@ from kiln.model_executor.loader.base import ModelLoader
 from kiln.plugins.registry import Registry
 from kiln.utils import resolve_obj_by_qualname
 
-LOADER_REGISTRY: Registry[str] = Registry("loader")
-
 # Order matters for "auto": the first loader whose can_load() accepts the reference wins.
 _BUILTIN_LOADERS = {
     "gguf": "kiln.model_executor.loader.gguf_loader.GGUFLoader",
     "safetensors": "kiln.model_executor.loader.safetensors_loader.SafetensorsLoader",
     "hub": "kiln.model_executor.loader.hub.HubLoader",
 }
-for _name, _path in _BUILTIN_LOADERS.items():
-    LOADER_REGISTRY.register(_name, _path)
+LOADER_REGISTRY: Registry[str] = Registry("loader", builtins=_BUILTIN_LOADERS)
 
 
 def get_loader(model: str, load_format: str = "auto") -> ModelLoader:

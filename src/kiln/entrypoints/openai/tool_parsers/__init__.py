@@ -20,14 +20,11 @@ from kiln.entrypoints.openai.tool_parsers.base import (
 from kiln.plugins.registry import Registry
 from kiln.utils import resolve_registered_class
 
-TOOL_PARSER_REGISTRY: Registry[str] = Registry("tool parser")
-
 _BUILTIN_TOOL_PARSERS = {
     "hermes": "kiln.entrypoints.openai.tool_parsers.hermes.HermesToolParser",
     "llama3_json": "kiln.entrypoints.openai.tool_parsers.llama3_json.Llama3JsonToolParser",
 }
-for _name, _path in _BUILTIN_TOOL_PARSERS.items():
-    TOOL_PARSER_REGISTRY.register(_name, _path)
+TOOL_PARSER_REGISTRY: Registry[str] = Registry("tool parser", builtins=_BUILTIN_TOOL_PARSERS)
 
 
 def resolve_tool_parser(name: str) -> type[ToolParser]:

@@ -18,8 +18,14 @@ Environment variables switch each behaviour on, so the package can stay installe
                                             ``AttentionBackend``
 - KILN_TEST_BAD_CLASS=chunk-blind           ... an attention backend that ignores the cached
                                             context of a prefill chunk (a prefix-cache hit too)
+- KILN_TEST_BAD_CLASS=copy-reduce           ... a communicator whose all_reduce returns its input
+- KILN_TEST_BAD_CLASS=over-budget           ... a scheduler that schedules past the token budget
+- KILN_TEST_BAD_CLASS=dynamic               ... a scheduler that changes its budget each step
+                                            (within the contract)
 - KILN_TEST_COMMUNICATOR_LOG=PATH           the platform's communicator notes in PATH which
                                             collectives each rank ran
+- KILN_TEST_GRAPH_LOG=PATH                  the platform's graph wrapper notes in PATH each capture
+                                            (parallel sizes, rank, buckets)
 - KILN_TEST_NON_IDEMPOTENT=raise|grow       the general plugin's register() raises when run
                                             again, or registers one more model each run
 """

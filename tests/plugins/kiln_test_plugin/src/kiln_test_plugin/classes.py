@@ -4,25 +4,26 @@ purpose."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import torch
 
-from kiln.config import KilnConfig
-from kiln.distributed.communicator import TorchDistCommunicator
-from kiln.model_executor.layers.attention import CommonAttentionMetadata
-from kiln.model_executor.layers.attention.backends.cpu import (
+from kiln.plugin_api import (
+    CommonAttentionMetadata,
     CPUAttentionBackend,
-    CPUAttentionMetadata,
-    CPUAttentionMetadataBuilder,
-    CPUPrefill,
+    DeltaMessage,
+    EagerGraphWrapper,
+    KilnConfig,
+    ModelRunner,
+    ModelRunnerBase,
+    Scheduler,
+    ThinkTagReasoningParser,
+    ToolParser,
+    TorchDistCommunicator,
+    Worker,
 )
-from kiln.scheduler.scheduler import Scheduler
-from kiln.worker.graph import EagerGraphWrapper
-from kiln.worker.model_runner import ModelRunner
-from kiln.worker.worker import Worker
-from kiln.worker.worker_base import ModelRunnerBase
 
 
 class TestModelRunner(ModelRunner):
@@ -72,6 +73,29 @@ class TestScheduler(Scheduler):
     """Kiln's scheduler under the plugin's own name."""
 
 
+class DynamicBatchScheduler(Scheduler):
+    """The documented extension point (a ``SchedulerDynamicBatch``-style scheduler): each step's
+    token budget is chosen before ``super().schedule()`` (here the config's and half of it in
+    turn; a real one would follow measured step times), never above the config's."""
+
+    def __init__(self, config: KilnConfig, num_blocks: int) -> None:
+        super().__init__(config, num_blocks)
+        self.max_budget = self.max_num_batched_tokens
+
+    def schedule(self) -> Any:
+        is_full = self.max_num_batched_tokens == self.max_budget
+        self.max_num_batched_tokens = self.max_budget // 2 if is_full else self.max_budget
+        return super().schedule()
+
+
+class OverBudgetScheduler(Scheduler):
+    """Breaks the contract: schedules twice the config's token budget."""
+
+    def __init__(self, config: KilnConfig, num_blocks: int) -> None:
+        super().__init__(config, num_blocks)
+        self.max_num_batched_tokens *= 2
+
+
 class LoggingCommunicator(TorchDistCommunicator):
     """Kiln's ``torch.distributed`` communicator under the plugin's name. With
     ``KILN_TEST_COMMUNICATOR_LOG`` set, each rank appends ``"<rank> <method>"`` to that file the
@@ -106,6 +130,15 @@ class LoggingCommunicator(TorchDistCommunicator):
         return super().recv(tensor, src)
 
 
+class CopyReduceCommunicator(TorchDistCommunicator):
+    """Breaks the contract: reduces in place but returns a copy taken before the reduction."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        before = tensor.clone()
+        super().all_reduce(tensor)
+        return before
+
+
 class CommunicatorMissingMethod:
     def __init__(self, rank: int, world_size: int, device: torch.device) -> None: ...
 
@@ -138,17 +171,23 @@ class DuckTypedAttentionBackend:
     get_kv_cache_shape = staticmethod(CPUAttentionBackend.get_kv_cache_shape)
 
 
-class ChunkBlindMetadataBuilder(CPUAttentionMetadataBuilder):
-    """Right for a prompt computed in one step, wrong for a later prefill chunk or a prefix-cache
-    hit: such a chunk attends only to its own new tokens, not to the context already cached."""
+ReferenceMetadataBuilder = CPUAttentionBackend.get_metadata_builder_cls()
 
-    def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
-        metadata = super().build(common)
-        metadata.prefills = [
-            CPUPrefill(p.token_start, p.token_end, 0, p.token_end - p.token_start, None, None)
-            for p in metadata.prefills
-        ]
-        return metadata
+
+class ChunkBlindMetadataBuilder(ReferenceMetadataBuilder):  # type: ignore[misc,valid-type]
+    """Right for a prompt computed in one step, wrong for a later prefill chunk or a prefix-cache
+    hit: such a chunk's context is cut to as many positions as it has new tokens (the first ones,
+    not its own), as if nothing were cached before it."""
+
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        query_lens = common.query_start_loc[1:] - common.query_start_loc[:-1]
+        is_chunk = (query_lens > 1) & (common.num_computed_tokens > 0)
+        blind = dataclasses.replace(
+            common,
+            seq_lens=torch.where(is_chunk, query_lens, common.seq_lens),
+            num_computed_tokens=torch.where(is_chunk, 0, common.num_computed_tokens),
+        )
+        return super().build(blind)
 
 
 class ChunkBlindAttentionBackend(CPUAttentionBackend):
@@ -156,13 +195,44 @@ class ChunkBlindAttentionBackend(CPUAttentionBackend):
     fit one step and miss the prefix cache, fails one with a small token budget."""
 
     @staticmethod
-    def get_metadata_builder_cls() -> type[CPUAttentionMetadataBuilder]:
+    def get_metadata_builder_cls() -> type[ChunkBlindMetadataBuilder]:
         return ChunkBlindMetadataBuilder
 
 
 class CountingGraphWrapper(EagerGraphWrapper):
+    """Kiln's eager wrapper, counting its calls. With ``KILN_TEST_GRAPH_LOG`` set, each
+    ``capture`` appends ``"tp=<size> pp=<size> rank=<rank> capture <sizes>"`` to that file."""
+
     calls = 0
+
+    def capture(self, num_tokens: Any) -> None:
+        path = os.environ.get("KILN_TEST_GRAPH_LOG")
+        if path:
+            parallel = self.config.parallel
+            with open(path, "a") as f:
+                f.write(
+                    f"tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size} "
+                    f"rank={parallel.rank} capture {list(num_tokens)}\n"
+                )
+        super().capture(num_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         type(self).calls += 1
         return super().__call__(*args, **kwargs)
+
+
+class PlainToolParser(ToolParser):
+    """A tool parser that finds no calls: the whole answer is content."""
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> DeltaMessage:
+        return DeltaMessage(content=delta_text)
+
+    def finish(self) -> DeltaMessage:
+        return DeltaMessage()
+
+
+class ReasonTagReasoningParser(ThinkTagReasoningParser):
+    """Thinking between ``<reason>`` and ``</reason>``."""
+
+    start_tag = "<reason>"
+    end_tag = "</reason>"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kiln.config import KilnConfig
-from kiln.platforms.cpu import CpuPlatform
+from kiln.plugin_api import CpuPlatform, KilnConfig
 
 
 class TestPlatform(CpuPlatform):
@@ -21,7 +20,12 @@ class TestPlatform(CpuPlatform):
             "missing": "kiln_test_plugin.classes.CommunicatorMissingMethod",
             "signature": "kiln_test_plugin.classes.CommunicatorWrongSignature",
             "unresolvable": "kiln_test_plugin.classes.NoSuchCommunicator",
+            "copy-reduce": "kiln_test_plugin.classes.CopyReduceCommunicator",
         }.get(bad or "", "kiln_test_plugin.classes.LoggingCommunicator")
+        scheduler = {
+            "over-budget": "kiln_test_plugin.classes.OverBudgetScheduler",
+            "dynamic": "kiln_test_plugin.classes.DynamicBatchScheduler",
+        }.get(bad or "", "kiln_test_plugin.classes.TestScheduler")
         attention = {
             "attention": "kiln_test_plugin.classes.DuckTypedAttentionBackend",
             "chunk-blind": "kiln_test_plugin.classes.ChunkBlindAttentionBackend",
@@ -35,7 +39,7 @@ class TestPlatform(CpuPlatform):
                 if os.environ.get("KILN_TEST_RUNNER") == "interface-only"
                 else "kiln_test_plugin.classes.TestModelRunner"
             ),
-            device__scheduler_cls="kiln_test_plugin.classes.TestScheduler",
+            device__scheduler_cls=scheduler,
             device__communicator_cls=communicator,
             device__graph_wrapper_cls="kiln_test_plugin.classes.CountingGraphWrapper",
             scheduler__max_num_seqs=min(config.scheduler.max_num_seqs, 8),

@@ -1,5 +1,5 @@
-"""What the test plugin registers: an op with two providers, a model, a loader, a config section
-and (on request) a patch. Safe to call more than once."""
+"""What the test plugin registers: an op with three providers, a model, a loader, a config section,
+a tool parser, a reasoning parser and (on request) a patch. Safe to call more than once."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ from typing import Any, Literal
 
 import torch
 
-from kiln.model_executor.custom_op import OP_REGISTRY, CustomOp
-from kiln.model_executor.loader import LOADER_REGISTRY
-from kiln.model_executor.registry import MODEL_REGISTRY
-from kiln.patches import PATCH_REGISTRY
-from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
+from kiln.plugin_api import (
+    LOADER_REGISTRY,
+    MODEL_REGISTRY,
+    OP_REGISTRY,
+    PLUGIN_CONFIG_REGISTRY,
+    REASONING_PARSER_REGISTRY,
+    TOOL_PARSER_REGISTRY,
+    CustomOp,
+    register_patch,
+)
 
 PATCH_TARGET = "kiln.worker.graph:EagerGraphWrapper.capture"
 # fingerprint(PATCH_TARGET) when this patch was written; a change to the target's source makes
@@ -79,6 +84,15 @@ def register_all(patch_kind: str | None) -> None:
     OP_REGISTRY.register_impl(
         "kiln_test_scale", "kiln_test_generic", device_type="cpu", priority=1
     )(generic_scale)
+
+    # Defined inside register(), as a hardware team wrote it: each run makes a new function
+    # object with the same qualified name and code, which counts as the same implementation.
+    def nested_scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
+        return x * op.scale
+
+    OP_REGISTRY.register_impl("kiln_test_scale", "kiln_test_nested", device_type="cpu")(
+        nested_scale
+    )
     if os.environ.get("KILN_TEST_WRONG_OP"):
         # A provider that computes the wrong thing, for the conformance kit to catch.
         OP_REGISTRY.register_impl(
@@ -91,21 +105,26 @@ def register_all(patch_kind: str | None) -> None:
         "kiln-test", "kiln.model_executor.loader.safetensors_loader.SafetensorsLoader"
     )
     PLUGIN_CONFIG_REGISTRY.declare("kiln_test", TestPluginOptions)
+    TOOL_PARSER_REGISTRY.register("kiln_test_plain", "kiln_test_plugin.classes.PlainToolParser")
+    REASONING_PARSER_REGISTRY.register(
+        "kiln_test_reason", "kiln_test_plugin.classes.ReasonTagReasoningParser"
+    )
     non_idempotent = os.environ.get("KILN_TEST_NON_IDEMPOTENT")
+    _RUNS.append(1)
     if non_idempotent == "raise":
-        # A new function object each run: the second registration is refused.
+        # Another function each run (it captures the run's number): the second registration
+        # is refused (unlike nested_scale above, which captures nothing).
         OP_REGISTRY.register_impl("kiln_test_scale", "kiln_test_fresh", device_type="cpu")(
-            _fresh_scale()
+            _fresh_scale(len(_RUNS))
         )
     elif non_idempotent == "grow":
-        _RUNS.append(1)
         MODEL_REGISTRY.register(
             f"KilnTestRun{len(_RUNS)}ForCausalLM",
             "kiln.model_executor.models.llama.LlamaForCausalLM",
         )
     if patch_kind:
         target = PATCH_TARGET if patch_kind != "missing" else PATCH_TARGET + "_gone"
-        PATCH_REGISTRY.register(
+        register_patch(
             target,
             capture_patched,
             scope="platform",
@@ -122,8 +141,8 @@ def wrong_scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
 _RUNS: list[int] = []
 
 
-def _fresh_scale() -> Any:
+def _fresh_scale(run: int) -> Any:
     def scale(op: ScaleOp, x: torch.Tensor) -> torch.Tensor:
-        return x * op.scale
+        return x * op.scale + 0 * run
 
     return scale
