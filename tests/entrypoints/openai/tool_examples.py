@@ -1,6 +1,6 @@
-"""What the tool-calling tests share: a tool, a Hermes-style chat template written for them
-(SmolLM2's own template does not render tools), and a conversation with which the default model
-calls the tool greedily."""
+"""What the tool-calling tests share: a tool, the Hermes-style chat template Kiln ships for
+ChatML models (``examples/tool_chat_template_chatml_hermes.jinja``: SmolLM2's own template does
+not render tools), and a conversation with which the default model calls the tool greedily."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pathlib
 from typing import Any
 
-TEMPLATE = pathlib.Path(__file__).parent / "templates" / "hermes_tools.jinja"
+TEMPLATE = pathlib.Path(__file__).parents[3] / "examples" / "tool_chat_template_chatml_hermes.jinja"
 WEATHER = {
     "type": "function",
     "function": {
