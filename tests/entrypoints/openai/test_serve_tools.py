@@ -291,3 +291,60 @@ def test_reasoning_split_whole_and_streamed(tool_chat: Chat) -> None:
         reasoning += delta.get("reasoning_content") or ""
         content += delta.get("content") or ""
     assert (reasoning, content) == (message["reasoning_content"], message["content"])
+
+
+# -- a real agent framework ------------------------------------------------------------------------
+
+
+def test_an_openai_agents_sdk_loop_runs_two_tool_rounds(tool_server: KilnServer) -> None:
+    """The OpenAI Agents SDK's chat-completions model against the tool server: each run calls the
+    tool (``required`` on its first turn, then the SDK's reset to ``auto``, with which the model
+    may call again), sends each call and its result back, and ends with an answer; the second
+    run sends the whole first run back as history (an assistant turn with ``content: null`` and
+    ``tool_calls``, a ``tool`` turn): the step every multi-step agent took before it failed with
+    a 400."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{tool_server.url}/v1", api_key=API_KEY, max_retries=0)
+    name = httpx.get(
+        f"{tool_server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+    ).json()["data"][0]["id"]
+    agent = Agent(
+        name="weather",
+        instructions="Call get_weather for the city the user names, then answer in one sentence.",
+        model=OpenAIChatCompletionsModel(model=name, openai_client=client),
+        tools=[get_weather],
+        model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="required"),
+    )
+
+    async def two_runs() -> tuple[Any, Any]:
+        first = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        history = [*first.to_input_list(), {"role": "user", "content": "And in Rome?"}]
+        return first, await Runner.run(agent, history, max_turns=4)
+
+    first, second = asyncio.run(two_runs())
+    assert "Paris" in cities and cities[-1] == "Rome", cities
+    for result in (first, second):
+        kinds = [type(item).__name__ for item in result.new_items]
+        # Calls (one or several at a time) and as many results, then the answer.
+        assert kinds[-1] == "MessageOutputItem" and "MessageOutputItem" not in kinds[:-1], kinds
+        assert kinds.count("ToolCallItem") == kinds.count("ToolCallOutputItem") >= 1, kinds
+        assert isinstance(result.final_output, str) and result.final_output
