@@ -1,6 +1,11 @@
 """The synchronous, in-process engine behind the offline ``LLM``: front end + engine core in one
 process, stepped by the caller. One engine core only: data parallelism (several engine cores)
-is ``kiln serve --data-parallel-size N``'s, and is refused here."""
+is ``kiln serve --data-parallel-size N``'s, and is refused here.
+
+A step that raises (an error in shared state: the scheduler, the model, the sampler; errors of
+one request fail that request only) kills the engine, as the server's engine core dies: the step
+raises ``EngineDeadError`` from the error, and so does every later ``add_request`` and ``step``,
+instead of going on with requests in an unknown state."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from kiln.engine.frontend import Frontend
 from kiln.engine.input_processor import PromptType
 from kiln.engine.stats import StatsRecorder
 from kiln.lora.request import LoRARequest
+from kiln.messages import EngineDeadError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -34,6 +40,8 @@ class LLMEngine:
         self.config = self.engine_core.config
         self.frontend = Frontend(self.config, self.engine_core.max_model_len)
         self.stats = StatsRecorder(10.0 if log_stats else 0.0)
+        self.dead_error: str | None = None
+        """Why the engine died (a step raised), or None."""
 
     def add_request(
         self,
@@ -43,7 +51,13 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` for an invalid prompt, params or adapter."""
+        """Queue a request.
+
+        Raises:
+            ValueError: an invalid prompt, params or adapter.
+            EngineDeadError: an earlier step failed.
+        """
+        self._check_alive()
         requests = self.frontend.make_requests(
             request_id, prompt, params, priority, lora_request=lora_request
         )
@@ -58,13 +72,26 @@ class LLMEngine:
         return self.frontend.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; the outputs of the requests that advanced."""
-        outputs = self.engine_core.step()
+        """One engine step; the outputs of the requests that advanced.
+
+        Raises:
+            EngineDeadError: this step or an earlier one failed (see the module doc).
+        """
+        self._check_alive()
+        try:
+            outputs = self.engine_core.step()
+        except Exception as exc:
+            self.dead_error = f"an engine step failed: {type(exc).__name__}: {exc}"
+            raise EngineDeadError(self.dead_error) from exc
         processed = self.frontend.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         self.stats.record(outputs.scheduler_stats, processed.iteration_stats)
         return processed.request_outputs
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
