@@ -1,4 +1,5 @@
-"""The ``kiln`` command: ``plugins``, ``serve``, ``bench serve``, ``chat``, ``export-tokenizer``."""
+"""The ``kiln`` command: ``plugins``, ``serve``, ``bench serve``, ``chat``, ``models``,
+``export-tokenizer``."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
-    from kiln.entrypoints import chat, export_tokenizer
+    from kiln.entrypoints import chat, export_tokenizer, models
 
     _add_module_command(
         sub,
@@ -92,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         chat,
         help="chat in the terminal with a local model or a running server",
         description="An interactive, streamed chat. /reset forgets the conversation, /exit leaves.",
+    )
+    _add_module_command(
+        sub,
+        "models",
+        models,
+        help="list every model architecture Kiln can serve, and how",
+        description="One row per architecture (config.json's architectures name): native or "
+        "from a plugin (which), the GGUF architectures that load as it, and its class.",
     )
     _add_module_command(
         sub,

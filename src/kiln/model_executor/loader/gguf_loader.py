@@ -46,6 +46,12 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 
+
+def gguf_architectures() -> dict[str, str]:
+    """GGUF ``general.architecture`` -> the Hugging Face architecture it loads as."""
+    return {arch: hf_arch for arch, (hf_arch, _) in _ARCHITECTURES.items()}
+
+
 # llama.cpp's converter interleaves the Q/K rows of these architectures for its rope kernel.
 _ROPE_PERMUTED_ARCHS = frozenset({"llama"})
 
