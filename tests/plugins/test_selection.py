@@ -202,6 +202,19 @@ def test_human_readable_output_shows_platform_and_changes():
     assert "kiln_test_fast" in proc.stdout
 
 
+def test_a_plugin_model_that_breaks_the_model_contract_fails_kiln_plugins():
+    env = {"KILN_TEST_PLATFORM": "1"}
+    assert run_python(["-m", "kiln.entrypoints.cli", "plugins"], env).returncode == 0
+    proc = run_python(
+        ["-m", "kiln.entrypoints.cli", "plugins"], {**env, "KILN_TEST_BAD_MODEL": "1"}
+    )
+    assert proc.returncode == 1, proc.stdout
+    assert (
+        "model KilnTestBadForCausalLM = kiln_test_plugin.classes.MisspeltModel (registered by "
+        "'kiln_test'): lacks the model contract's compute_logits" in proc.stdout
+    )
+
+
 def test_loading_is_idempotent_in_a_fresh_process():
     code = (
         "import kiln_test_plugin, json\n"

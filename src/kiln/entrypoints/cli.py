@@ -49,7 +49,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def _class_errors(report: dict) -> str | None:
     """One line per named class that does not resolve or fails its interface check, naming the
-    config field and who set it (the platform, or the user's config), or None when all are ok."""
+    config field and who set it (the platform, or the user's config), and per plugin model that
+    does not meet the model contract; None when all are ok."""
     platform = (report.get("platform") or {}).get("name", "?")
     set_by_platform = {change["field"] for change in report["config_changes"]}
     lines = []
@@ -59,6 +60,12 @@ def _class_errors(report: dict) -> str | None:
         field = f"device.{c['field']}"
         who = f"platform {platform!r}" if field in set_by_platform else "the config"
         lines.append(f"{field} = {c['class']} (set by {who}): {c['status']}")
+    for m in report.get("models", []):
+        if m["status"] != "ok":
+            lines.append(
+                f"model {m['architecture']} = {m['class']} (registered by {m['plugin']!r}): "
+                f"{m['status']}"
+            )
     return "; ".join(lines) or None
 
 

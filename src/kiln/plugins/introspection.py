@@ -19,6 +19,7 @@ from kiln.plugins.config import PLUGIN_CONFIG_REGISTRY
 from kiln.plugins.interfaces import CLASS_FIELDS, resolve_class
 from kiln.plugins.manager import PluginManager
 from kiln.plugins.registry import describe, registries
+from kiln.utils import resolve_obj_by_qualname
 
 
 def _jsonable(value: Any) -> Any:
@@ -89,6 +90,7 @@ def build_report(
         for name in OP_REGISTRY.ops.names()
         for impl in OP_REGISTRY.implementations(name)
     ]
+    models = _plugin_models(live) if check_classes else []
     registered = [
         {
             "registry": reg.kind,
@@ -113,6 +115,7 @@ def build_report(
                 {"field": f, "old": old, "new": new} for f, old, new in manager.config_changes
             ],
             "classes": classes,
+            "models": models,
             "registry_overrides": overrides,
             "plugin_registrations": registered,
             "op_implementations": op_impls,
@@ -120,6 +123,39 @@ def build_report(
             "plugin_config": PLUGIN_CONFIG_REGISTRY.describe(),
         }
     )
+
+
+MODEL_MEMBERS = ("forward", "compute_logits", "load_weights", "attention_layers")
+"""What a model class must have (the model contract, ``kiln.model_executor.models.llama``)."""
+
+
+def check_model_class(qualname: str) -> str:
+    """``ok``, or why the model class at ``qualname`` does not meet the model contract (it does
+    not import, or lacks a member of ``MODEL_MEMBERS``)."""
+    try:
+        cls = resolve_obj_by_qualname(qualname)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    missing = [m for m in MODEL_MEMBERS if not callable(getattr(cls, m, None))]
+    if missing:
+        return f"lacks the model contract's {', '.join(missing)} (needs {', '.join(MODEL_MEMBERS)})"
+    return "ok"
+
+
+def _plugin_models(live: list[Any]) -> list[dict[str, Any]]:
+    """The model architectures plugins registered, each checked (``check_model_class``)."""
+    return [
+        {
+            "architecture": name,
+            "class": value,
+            "plugin": reg.source_of(name),
+            "status": check_model_class(value),
+        }
+        for reg in live
+        if reg.kind == "model"
+        for name, value in reg.items()
+        if reg.source_of(name) != "kiln"
+    ]
 
 
 def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
@@ -170,6 +206,9 @@ def format_report(report: dict[str, Any]) -> str:
     )
     lines += _table("Config set by the platform", report["config_changes"], ["field", "old", "new"])
     lines += _table("Classes", report["classes"], ["field", "class", "status"])
+    lines += _table(
+        "Models from plugins", report["models"], ["architecture", "class", "plugin", "status"]
+    )
     lines += _table(
         "Registry overrides",
         report["registry_overrides"],

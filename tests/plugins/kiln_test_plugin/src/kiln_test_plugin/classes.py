@@ -236,3 +236,19 @@ class ReasonTagReasoningParser(ThinkTagReasoningParser):
 
     start_tag = "<reason>"
     end_tag = "</reason>"
+
+
+class MisspeltModel(torch.nn.Module):
+    """A model with ``compute_logit`` for ``compute_logits``: ``kiln plugins`` must refuse it."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return input_ids
+
+    def compute_logit(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def load_weights(self, weights: object) -> set[str]:
+        return set()
+
+    def attention_layers(self) -> dict[str, object]:
+        return {}

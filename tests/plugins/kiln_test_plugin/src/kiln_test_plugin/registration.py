@@ -101,6 +101,9 @@ def register_all(patch_kind: str | None) -> None:
     MODEL_REGISTRY.register(
         "KilnTestForCausalLM", "kiln.model_executor.models.llama.LlamaForCausalLM"
     )
+    if os.environ.get("KILN_TEST_BAD_MODEL"):
+        # A model whose compute_logits is misspelled, for `kiln plugins` to catch.
+        MODEL_REGISTRY.register("KilnTestBadForCausalLM", "kiln_test_plugin.classes.MisspeltModel")
     LOADER_REGISTRY.register(
         "kiln-test", "kiln.model_executor.loader.safetensors_loader.SafetensorsLoader"
     )
