@@ -72,21 +72,26 @@ LOGPROB_ATOL = 2e-3
 
 
 def check_position_logprobs(
-    got: PositionLogprobs, reference: torch.Tensor, token_id: int, num_top: int, where: str = ""
+    got: PositionLogprobs,
+    reference: torch.Tensor,
+    token_id: int,
+    num_top: int,
+    where: str = "",
+    atol: float = LOGPROB_ATOL,
 ) -> None:
     """Asserts that ``got`` (one position of Kiln's logprobs: the chosen token, then the top
     ``num_top``) matches ``reference`` ([vocab] float32 logprobs from ``transformers``): the same
-    token ids, values within ``LOGPROB_ATOL`` and ranks consistent with the reference."""
+    token ids, values within ``atol`` and ranks consistent with the reference."""
     top_ids = reference.topk(num_top).indices.tolist() if num_top else []
     assert set(got) == {token_id, *top_ids}, f"{where}: token ids {sorted(got)}"
     for tid, logprob in got.items():
         expected = float(reference[tid])
-        assert abs(logprob.logprob - expected) <= LOGPROB_ATOL, (
+        assert abs(logprob.logprob - expected) <= atol, (
             f"{where}: token {tid} logprob {logprob.logprob} != transformers' {expected}"
         )
         # Rank: 1 + tokens strictly more likely; tokens within the tolerance may fall either way.
-        surely_above = int((reference > expected + LOGPROB_ATOL).sum())
-        maybe_above = int((reference > expected - LOGPROB_ATOL).sum()) - 1
+        surely_above = int((reference > expected + atol).sum())
+        maybe_above = int((reference > expected - atol).sum()) - 1
         assert logprob.rank is not None and surely_above + 1 <= logprob.rank <= maybe_above + 1, (
             f"{where}: token {tid} rank {logprob.rank}"
         )

@@ -45,8 +45,24 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_type", "num_kv_heads"),
-    [("llama", 4), ("qwen3", 4), ("llama", 1)],
-    ids=["llama-4kv", "qwen3-4kv", "llama-1kv-replicated"],
+    [
+        ("llama", 4),
+        ("qwen3", 4),
+        ("llama", 1),
+        ("granite", 4),
+        ("olmo2", 4),
+        ("olmo2", 1),
+        ("phi3", 4),
+    ],
+    ids=[
+        "llama-4kv",
+        "qwen3-4kv",
+        "llama-1kv-replicated",
+        "granite-4kv",
+        "olmo2-4kv",  # q/k norms over the whole projections: statistics summed over ranks
+        "olmo2-1kv-replicated",
+        "phi3-4kv",  # fused checkpoint projections split per rank
+    ],
 )
 def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
     tmp_path, gguf_path, model_type, num_kv_heads
@@ -59,6 +75,9 @@ def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
         head_dim=32,
         vocab_size=257,  # odd: the last rank's shard has a padding row
         initializer_range=0.2,  # peaked logits: no greedy ties
+        random_norms=True,  # a norm weight sharded wrongly cannot hide behind ones
+        # Phi-3's default special tokens (32000) lie outside the small vocabulary.
+        **({"pad_token_id": None, "eos_token_id": 2} if model_type == "phi3" else {}),
     )
     tp1 = _greedy(folder, 1, TOKEN_PROMPTS, tokenizer=gguf_path)
     tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)

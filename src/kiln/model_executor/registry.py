@@ -11,8 +11,11 @@ from kiln.plugins.registry import Registry
 from kiln.utils import resolve_obj_by_qualname
 
 _BUILTIN_MODELS = {
+    "GraniteForCausalLM": "kiln.model_executor.models.granite.GraniteForCausalLM",
     "LlamaForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
     "MistralForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
+    "Olmo2ForCausalLM": "kiln.model_executor.models.olmo2.Olmo2ForCausalLM",
+    "Phi3ForCausalLM": "kiln.model_executor.models.phi3.Phi3ForCausalLM",
     "Qwen2ForCausalLM": "kiln.model_executor.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kiln.model_executor.models.qwen3.Qwen3ForCausalLM",
 }

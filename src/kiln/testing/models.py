@@ -13,6 +13,7 @@ def save_tiny_model(
     *,
     seed: int = 0,
     tokenizer: Any = None,
+    random_norms: bool = False,
     **config: Any,
 ) -> str:
     """Write a random float32 model (safetensors and ``config.json``) to ``folder``; return it.
@@ -22,7 +23,8 @@ def save_tiny_model(
     256-token vocabulary. ``config`` overrides any field of the model type's ``transformers``
     config (``initializer_range=0.2`` gives peaked logits, so greedy ties are unlikely). With a
     ``tokenizer`` (a Hugging Face tokenizer), the vocabulary is the tokenizer's and the tokenizer is
-    saved next to the weights, so the folder serves text.
+    saved next to the weights, so the folder serves text. ``random_norms`` randomizes the norm
+    weights and biases (``randomize_norms_and_biases``).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -41,7 +43,24 @@ def save_tiny_model(
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(model_type, **fields)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if random_norms:
+        randomize_norms_and_biases(model, seed + 1)
     model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def randomize_norms_and_biases(model: Any, seed: int = 1) -> None:
+    """Set every norm weight of a ``transformers`` model to ``1 + 0.3 N(0, 1)`` and every bias to
+    ``0.1 N(0, 1)``, so that a mis-mapped norm or bias cannot hide behind the all-ones / zeros
+    init. Seeded: the same model gets the same values."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from kiln.model_executor.model_loader import load_model
+from kiln.testing.models import randomize_norms_and_biases
 
 COMMON = dict(
     vocab_size=256,
@@ -74,13 +75,7 @@ def models(request, tmp_path_factory):
     config = VARIANTS[request.param]()
     config._attn_implementation = "eager"
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
-            elif name.endswith("bias"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    randomize_norms_and_biases(hf_model, seed=1)
     folder = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(folder)
     model, hf_config = load_model(str(folder), torch.float32, "cpu", load_format="safetensors")

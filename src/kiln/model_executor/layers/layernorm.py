@@ -6,6 +6,10 @@ scaled by ``weight``). ``norm(x, residual)`` first adds the residual stream, as 
 layers do, and returns ``(normed, x + residual)``: one call per sub-layer instead of an add and a
 norm, and a fusion point for providers (the custom op ``"rms_norm"``).
 
+``ShardedRMSNorm`` normalizes a dimension that tensor parallelism splits over ranks (OLMo 2's q/k
+norms span every head of the projection): each rank holds its columns of the weight and the mean
+square is summed over ranks.
+
 This module knows nothing about models.
 """
 
@@ -15,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.distributed.parallel_state import TensorParallelGroup
 from kiln.model_executor.custom_op import CustomOp, register_op
+from kiln.model_executor.layers.linear import default_weight_loader, set_weight_attrs
 
 
 @register_op("rms_norm")
@@ -76,4 +82,53 @@ class RMSNorm(CustomOp):
         return examples
 
 
-__all__ = ["RMSNorm"]
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a last dimension of which this rank holds a slice.
+
+    Args:
+        hidden_size: this rank's columns.
+        eps: added to the mean square before the reciprocal square root.
+        params_dtype: dtype of ``weight``.
+        shard_start: where this rank's columns begin in the checkpoint's weight.
+        num_summed: columns over all ranks, counted once per rank that holds them (with heads
+            replicated over ranks, each copy counts, as it does in the summed squares).
+        tp_group: the ranks the dimension is split over.
+
+    With one rank this is ``RMSNorm``. ``weight``'s loader takes the whole checkpoint tensor and
+    keeps this rank's slice.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        params_dtype: torch.dtype | None,
+        *,
+        shard_start: int,
+        num_summed: int,
+        tp_group: TensorParallelGroup,
+    ) -> None:
+        super().__init__(hidden_size, eps, params_dtype)
+        self.shard_start = shard_start
+        self.num_summed = num_summed
+        self.tp_group = tp_group
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's columns of the whole weight."""
+        local = loaded_weight.narrow(0, self.shard_start, self.hidden_size)
+        default_weight_loader(param, local, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``x`` [..., hidden_size] (this rank's columns) -> normed."""
+        if self.tp_group.world_size == 1:
+            return super().forward(x)
+        xf = x.float()
+        # [..., 1]: the mean square over every rank's columns.
+        variance = self.tp_group.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.num_summed
+        return self.weight * (xf * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+__all__ = ["RMSNorm", "ShardedRMSNorm"]

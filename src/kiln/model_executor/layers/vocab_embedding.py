@@ -179,7 +179,7 @@ class LogitsProcessor(CustomOp):
 
     Args:
         vocab_size: columns of the result (a padded LM head is cut back to it).
-        scale: multiplier of the logits (1.0 for every model here).
+        scale: multiplier of the logits (Granite: ``1 / logits_scaling``; 1.0 elsewhere).
     """
 
     def __init__(self, vocab_size: int, scale: float = 1.0) -> None:

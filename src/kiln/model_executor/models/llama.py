@@ -15,8 +15,9 @@ Contract, shared by every model in this package:
 - ``attention_layers() -> dict[layer name, Attention]`` for binding KV caches.
 
 Models know nothing about scheduling, sampling, devices or the weight file format. Variants
-(Qwen2, Qwen3) reuse these blocks: they change ``DecoderArgs`` (biases, sliding windows) through
-``parse_config`` / ``sliding_windows`` and the attention class through ``attention_cls``.
+(Qwen2, Qwen3, Granite, OLMo 2, Phi-3) reuse these blocks: they change ``DecoderArgs`` (biases,
+sliding windows, scales) through ``parse_config`` / ``sliding_windows``, the attention class
+through ``attention_cls`` and the block through ``decoder_layer_cls``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ class DecoderArgs:
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: the attention window, or None for full attention."""
+    attention_scale: float | None = None
+    """Multiplier of ``q @ k^T``; None: ``head_dim ** -0.5``."""
+    embedding_multiplier: float = 1.0
+    """Multiplier of the token embeddings before the first layer."""
+    residual_multiplier: float = 1.0
+    """Multiplier of each sub-layer's output before it joins the residual stream."""
+    logits_scale: float = 1.0
+    """Multiplier of the logits."""
 
 
 class LlamaMLP(nn.Module):
@@ -174,10 +183,11 @@ class LlamaAttention(nn.Module):
         )
         # One instance shared by every layer (its cos/sin cache is the same).
         self.rotary_emb = rotary_emb
+        scale = args.head_dim**-0.5 if args.attention_scale is None else args.attention_scale
         self.attn = Attention(
             self.num_heads,
             args.head_dim,
-            args.head_dim**-0.5,
+            scale,
             self.num_kv_heads,
             prefix=join_prefix(prefix, "attn"),
             sliding_window=args.sliding_windows[layer_idx],
@@ -198,7 +208,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is carried beside the hidden states (fused adds)."""
+    """Pre-norm block; the residual stream is carried beside the hidden states (fused adds).
+    Each sub-layer's output is scaled by ``residual_multiplier`` (Granite's; 1 elsewhere)."""
 
     def __init__(
         self,
@@ -217,6 +228,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(args, dtype, quant_config, join_prefix(prefix, "mlp"))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.residual_multiplier = args.residual_multiplier
 
     def forward(
         self,
@@ -231,8 +243,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
+        if self.residual_multiplier != 1.0:
+            hidden_states = hidden_states * self.residual_multiplier
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states = self.mlp(hidden_states)
+        if self.residual_multiplier != 1.0:
+            hidden_states = hidden_states * self.residual_multiplier
+        return hidden_states, residual
 
 
 class LlamaModel(nn.Module):
@@ -246,11 +263,13 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         quant_config: QuantizationConfig | None,
         prefix: str,
+        decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.pp_group = get_pp_group()
         self.start_layer, self.end_layer = self.pp_group.layer_range(args.num_layers)
         self.hidden_size, self.dtype = args.hidden_size, dtype
+        self.embedding_multiplier = args.embedding_multiplier
         self.embed_tokens = (
             VocabParallelEmbedding(
                 args.vocab_size,
@@ -266,7 +285,7 @@ class LlamaModel(nn.Module):
             args.head_dim, args.max_position, args.rope_theta, args.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            decoder_layer_cls(
                 args,
                 i,
                 rotary_emb,
@@ -290,6 +309,8 @@ class LlamaModel(nn.Module):
         their last layer's output (it and the residual go to the next stage)."""
         if self.pp_group.is_first:
             hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+            if self.embedding_multiplier != 1.0:
+                hidden_states = hidden_states * self.embedding_multiplier
             residual = None
         else:
             # [2, T, hidden]: the previous stage's hidden states and residual
@@ -310,6 +331,9 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-architecture causal LM; see the module docstring for the contract."""
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # Built with (args, layer_idx, rotary_emb, attention_cls, dtype, quant_config, prefix);
+    # forward(positions, hidden_states, residual) -> (hidden_states, residual), as Llama's.
+    decoder_layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
     # Checkpoint module name -> (Kiln's fused module, shard id).
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -330,7 +354,12 @@ class LlamaForCausalLM(nn.Module):
         self.args = self.parse_config(hf_config)
         self.dtype = dtype
         self.model = LlamaModel(
-            self.args, self.attention_cls, dtype, quant_config, join_prefix(prefix, "model")
+            self.args,
+            self.attention_cls,
+            dtype,
+            quant_config,
+            join_prefix(prefix, "model"),
+            self.decoder_layer_cls,
         )
         pp_group = self.model.pp_group
         self.lm_head = (
@@ -348,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
         self.loads_head_from_embedding = self.args.tie_word_embeddings and not pp_group.is_first
         if self.args.tie_word_embeddings and pp_group.world_size == 1:
             self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(self.args.vocab_size)
+        self.logits_processor = LogitsProcessor(self.args.vocab_size, self.args.logits_scale)
 
     @classmethod
     def parse_config(cls, hf_config: Any) -> DecoderArgs:

@@ -1,0 +1,117 @@
+"""Kiln's Granite, OLMo 2 and Phi-3 against ``transformers``, through the offline ``LLM``.
+
+Each family is a small random model made by ``transformers`` from a seeded config
+(``save_tiny_model``: two layers, four query heads over two KV heads, here a vocabulary of 251, no
+multiple of 8), with random norm weights and biases (``random_norms``), saved as a Hugging Face
+folder. Kiln serves the folder on the
+reference ``cpu`` platform in float32 and must give transformers' greedy tokens for 32 steps, and
+logprobs (the chosen token and the top 5) within 1e-4 of transformers' float32 ``log_softmax`` at
+every position. The configs switch on what is particular to each family: Granite's four
+multipliers, OLMo 2's post-norm blocks and whole-projection q/k norms, Phi-3's fused checkpoint
+projections and a sliding window shorter than the sequences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Phi3Config
+
+from kiln import LLM, SamplingParams
+from kiln.model_executor.models.phi3 import Phi3ForCausalLM
+from kiln.testing.models import save_tiny_model
+
+# On save_tiny_model's defaults: two layers, four query heads over two KV heads (GQA).
+COMMON = dict(
+    vocab_size=251,  # no multiple of 8
+    initializer_range=0.2,  # peaked logits: no greedy near-ties
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+FAMILIES = {
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=6.0,
+        residual_multiplier=0.3,
+        attention_multiplier=0.05,
+        logits_scaling=2.5,
+        attention_bias=True,
+    ),
+    "olmo2": dict(model_type="olmo2"),
+    "phi3": dict(model_type="phi3", sliding_window=20),
+}
+NUM_TOKENS = 32
+NUM_TOP = 5
+LOGPROB_ATOL = 1e-4
+PROMPTS = [
+    [1, 5, 9, 200, 17],
+    [3, 250, 7, 44, 12, 99, 8, 140, 61],
+    [(11 * i) % 251 for i in range(1, 41)],
+]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(folder, transformers model) of one family."""
+    config = dict(FAMILIES[request.param])
+    model_type = config.pop("model_type")
+    folder = save_tiny_model(
+        tmp_path_factory.mktemp(request.param), model_type, random_norms=True, **COMMON, **config
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return folder, hf_model
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(family, gguf_path, hf_ref) -> None:
+    folder, hf_model = family
+    llm = LLM(
+        folder,
+        tokenizer=gguf_path,
+        platform="cpu",
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_model_len=256,
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=NUM_TOKENS, logprobs=NUM_TOP, ignore_eos=True, detokenize=False
+    )
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        completion = output.outputs[0]
+        assert completion.token_ids == hf_ref.greedy(hf_model, prompt, NUM_TOKENS)
+        reference = hf_ref.logprobs(hf_model, prompt + completion.token_ids)
+        assert completion.logprobs is not None and len(completion.logprobs) == NUM_TOKENS
+        for i, (token, position) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            row = reference[len(prompt) - 1 + i]
+            where = f"prompt of {len(prompt)} tokens, token {i}"
+            hf_ref.check_position(position, row, token, NUM_TOP, where, atol=LOGPROB_ATOL)
+    # Not a degenerate output: the prompts get different continuations.
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}},
+        {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 32.0}},
+    ],
+    ids=["su", "longrope"],
+)
+def test_phi3_refuses_long_context_rope(rope) -> None:
+    config = {**Phi3Config(**COMMON).to_dict(), **rope}
+    with pytest.raises(ValueError, match="rope_scaling"):
+        Phi3ForCausalLM.parse_config(config)
+
+
+def test_phi3_refuses_partial_rotary() -> None:
+    config = {**Phi3Config(**COMMON).to_dict(), "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        Phi3ForCausalLM.parse_config(config)
