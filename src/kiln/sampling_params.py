@@ -355,6 +355,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise _invalid(name, "None or an integer >= 0", value)
+        assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)  # normalised
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _invalid("stop", "non-empty strings", s)
@@ -428,7 +429,7 @@ class SamplingParams:
         if eos_ids is None:
             return
         extra = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
-        extra.discard(model_eos_token_id)  # type: ignore[arg-type]
+        extra.discard(model_eos_token_id)
         if not extra:
             return
         self._all_stop_token_ids.update(extra)

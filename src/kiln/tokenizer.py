@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -119,6 +119,37 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.hf_tokenizer.convert_ids_to_tokens(list(ids))
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ...,
+        chat_template: str | None = ...,
+        **kwargs: Any,
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[True],
+        chat_template: str | None = ...,
+        **kwargs: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: bool = ...,
+        chat_template: str | None = ...,
+        **kwargs: Any,
+    ) -> str | list[int]: ...
 
     def apply_chat_template(
         self,

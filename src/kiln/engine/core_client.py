@@ -59,6 +59,14 @@ from kiln.messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
+
+def _first_ready(sentinels: list[int]) -> int:
+    """The first of the process ``sentinels`` to be ready (its process exited); blocks."""
+    first = wait_for_sentinels(sentinels)[0]
+    assert isinstance(first, int)  # wait() returns some of the objects it was given
+    return first
+
+
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _heartbeat_decoder = msgspec.msgpack.Decoder(int)
 _encoder = msgspec.msgpack.Encoder()
@@ -299,7 +307,9 @@ class AsyncMPClient:
         heard from; None too for frames that are not ``[outputs, EngineCoreOutputs]`` or
         ``[heartbeat, index]`` of one of the engines (logged: the first few, then one in
         ``DROPPED_FRAMES_LOG_EVERY``)."""
-        decoders = {OUTPUTS: _outputs_decoder, HEARTBEAT: _heartbeat_decoder}
+        decoders: dict[
+            bytes, msgspec.msgpack.Decoder[EngineCoreOutputs] | msgspec.msgpack.Decoder[int]
+        ] = {OUTPUTS: _outputs_decoder, HEARTBEAT: _heartbeat_decoder}
         if len(frames) != 2 or frames[0] not in decoders:
             reason = _describe(frames)
         else:
@@ -330,8 +340,8 @@ class AsyncMPClient:
         """Mark the client dead as soon as any engine process exits."""
         sentinels = {p.sentinel: (i, p) for i, p in enumerate(self._processes)}
         loop = asyncio.get_running_loop()
-        ready = await loop.run_in_executor(None, wait_for_sentinels, list(sentinels))
-        index, process = sentinels[ready[0]]
+        first = await loop.run_in_executor(None, _first_ready, list(sentinels))
+        index, process = sentinels[first]
         process.join(1)  # reap it, so exitcode is known
         where = f"engine {index} " if self.num_engines > 1 else ""
         self._mark_dead(f"{where}process {process.pid} exited with code {process.exitcode}")

@@ -90,7 +90,9 @@ class OutputProcessor:
         parent = self.parent_requests.get(request_id)
         if parent is not None:
             states = [self.request_states[child_id] for child_id in parent.child_request_ids]
-            latest = {state.index: parent.completion(state.index) for state in states}
+            latest: dict[int, CompletionOutput | None] = {
+                state.index: parent.completion(state.index) for state in states
+            }
         elif request_id in self.request_states:
             states = [self.request_states[request_id]]
             latest = {states[0].index: states[0].latest}

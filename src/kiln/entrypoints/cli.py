@@ -27,7 +27,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     config: KilnConfig | None = None
     error = None
     try:
-        config = EngineArgs(
+        # from_kwargs: EngineArgs' fields are made from ENGINE_FLAGS, which mypy cannot see.
+        config = EngineArgs.from_kwargs(
             platform=args.platform, plugin_config=args.plugin_config
         ).create_config()
         config = init_process("api", config)

@@ -77,7 +77,7 @@ def export_tokenizer(out_dir: str, model: str | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     write_tokenizer(tokenizer, out_dir)
     _write(os.path.join(out_dir, "config.json"), config)
-    generation = {"eos_token_id": sorted(tokenizer.eos_token_ids)}
+    generation: dict[str, int | list[int]] = {"eos_token_id": sorted(tokenizer.eos_token_ids)}
     if tokenizer.bos_token_id is not None:
         generation["bos_token_id"] = tokenizer.bos_token_id
     _write(os.path.join(out_dir, "generation_config.json"), generation)

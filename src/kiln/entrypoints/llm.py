@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -23,6 +23,16 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 from kiln.tokenizer import Tokenizer
 
 Messages = Sequence[Mapping[str, Any]]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """``prompts`` as a list: one prompt (a string, a dict, or token ids) becomes a list of one."""
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    # What is left is a sequence of prompts (isinstance cannot tell Sequence[int] from it).
+    return list(cast("Sequence[PromptType]", prompts))
 
 
 class LLM:
@@ -57,11 +67,7 @@ class LLM:
         Raises:
             ValueError: an invalid prompt or params (nothing is queued then).
         """
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (

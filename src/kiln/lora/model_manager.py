@@ -66,6 +66,12 @@ class LoRALinear(nn.Module):
         step: the manager's per-step state, shared by every layer.
     """
 
+    # Buffers (register_buffer), declared for the type checker.
+    lora_a: torch.Tensor
+    """[num_slots, len(projections) * max_rank, in]: each slice's A rows, stacked."""
+    lora_b: torch.Tensor
+    """[num_slots, len(projections) * max_rank, out]: B transposed, block-diagonal."""
+
     def __init__(
         self,
         base: LinearBase,

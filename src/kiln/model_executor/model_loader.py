@@ -84,7 +84,7 @@ def load_model(
         model = model_cls(hf_config, dtype=dtype, **kwargs)
     weights = (
         loader.iter_weights(model_ref, dtype, keep_quantized=True)
-        if keep_gguf
+        if keep_gguf and isinstance(loader, GGUFLoader)  # the isinstance holds (checked above)
         else loader.iter_weights(model_ref, dtype)
     )
     loaded = model.load_weights(weights)

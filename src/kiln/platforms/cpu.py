@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -42,7 +42,7 @@ class CpuPlatform(Platform):
     supported_dtypes = ("float32", "bfloat16", "float16")
     supported_quantization = ()
     supports_graph_capture = False
-    config_section = CpuOptions
+    config_section: ClassVar[type | None] = CpuOptions
 
     @classmethod
     def device_count(cls) -> int:
@@ -90,7 +90,9 @@ class CpuPlatform(Platform):
     def init_worker_process(cls, config: KilnConfig) -> None:
         # A subclass platform may drop the section (config_section = None): then the defaults.
         options = (
-            PLUGIN_CONFIG_REGISTRY.get(cls.name, config) if cls.config_section else CpuOptions()
+            PLUGIN_CONFIG_REGISTRY.get(cls.name, config)
+            if cls.config_section is not None
+            else CpuOptions()
         )
         torch.set_num_threads(options.num_threads or default_num_threads(config))
 

@@ -31,6 +31,14 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 
 
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    """A field's default, from its factory if it has one (``register`` made sure of either)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    assert f.default_factory is not dataclasses.MISSING, f.name
+    return f.default_factory()
+
+
 def _matches(value: Any, tp: Any) -> bool:
     """Whether a JSON value fits a dataclass field type (bool, int, float, str, Literal, list,
     dict, Optional/union)."""
@@ -128,9 +136,7 @@ class PluginConfigRegistry:
                 {
                     "field": f.name,
                     "type": _type_name(hints[f.name]),
-                    "default": repr(
-                        f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                    ),
+                    "default": repr(_field_default(f)),
                 }
                 for f in dataclasses.fields(schema)
             ]

@@ -150,7 +150,7 @@ def check_implements(cls: type, interface: type) -> None:
             f"{cls!r} is not a class (expected an implementation of {interface.__qualname__})"
         )
     if issubclass(cls, interface) and inspect.isabstract(cls):
-        missing = sorted(cls.__abstractmethods__)
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))  # set: isabstract holds
         raise InterfaceError(
             f"{cls.__module__}.{cls.__qualname__} does not implement {missing} of "
             f"{interface.__qualname__}"

@@ -129,7 +129,7 @@ class Request:
             if last_token_id == self.eos_token_id and not params.ignore_eos:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last_token_id in params.stop_token_ids:
+            if last_token_id in (params.stop_token_ids or ()):  # a list after its __post_init__
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last_token_id
                 return True

@@ -140,7 +140,8 @@ class DraftModelProposer(ProposerBase):
         # positions it writes: draft j + 1 comes from draft j's keys at num_tokens + j - 1),
         # and its block table.
         starts, ends = [0] * num_reqs, [0] * num_reqs
-        num_drafts, tables = [0] * num_reqs, [[] for _ in range(num_reqs)]
+        num_drafts = [0] * num_reqs
+        tables: list[list[int]] = [[] for _ in range(num_reqs)]
         for i, (row, req_id) in enumerate(zip(inputs.rows, inputs.req_ids, strict=True)):
             ends[i] = num_tokens = int(inputs.num_tokens[row])
             num_slots = int(inputs.num_blocks[row]) * self.block_size

@@ -141,11 +141,13 @@ class XGrammarBackend:
                 )
                 compiled = compiler.compile_grammar(_without_raw_control_characters(grammar))
             elif kind == "regex":
+                assert params.regex is not None
                 compiled = compiler.compile_regex(params.regex)
             elif kind == "choice":
                 assert params.choice is not None
                 compiled = compiler.compile_grammar("root ::= " + _choice_literals(params.choice))
             else:
+                assert params.grammar is not None
                 compiled = compiler.compile_grammar(params.grammar)
         except RuntimeError as exc:
             raise ValueError(f"{_field(params)} is invalid: {_xgrammar_message(exc)}") from None
@@ -165,8 +167,10 @@ class XGrammarBackend:
             if kind in ("json", "json_object"):
                 grammar = xgrammar.Grammar.from_json_schema(json.dumps(_schema(params)))
             elif kind == "regex":
+                assert params.regex is not None
                 grammar = xgrammar.Grammar.from_regex(params.regex)
             elif kind == "grammar":
+                assert params.grammar is not None
                 grammar = xgrammar.Grammar.from_ebnf(params.grammar)
             else:
                 return  # choices: literals, always complete
@@ -292,6 +296,7 @@ class GuidanceBackend:
                 defaults={"whitespace_flexible": not params.disable_any_whitespace},
             )
         if kind == "regex":
+            assert params.regex is not None
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
             assert params.choice is not None

@@ -132,7 +132,8 @@ class StructuredOutputManager:
 
     def _with_server_options(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
         config = self.config.structured_outputs
-        options = {
+        # Any: mypy checks replace()'s keywords against each field's type, the names here vary.
+        options: dict[str, Any] = {
             name: True
             for name in ("disable_any_whitespace", "disable_additional_properties")
             if getattr(config, name) and not getattr(params, name)

@@ -90,7 +90,7 @@ def check_scheduler(platform: str) -> dict[str, Any]:
                     f"step {steps}: {req_id} continues at token {num}, not {computed.get(req_id)}"
                 )
         req_ids = list(scheduled)
-        rows = []
+        rows: list[list[int]] = []
         for req_id in req_ids:
             num = scheduled[req_id]
             if num <= 0 or req_id not in tokens or computed[req_id] + num > len(tokens[req_id]):

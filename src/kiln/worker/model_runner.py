@@ -318,7 +318,7 @@ class ModelRunner(ModelRunnerBase):
         batch = self.input_batch
         assert batch is not None
         index = {batch.req_ids[row]: i for i, row in enumerate(rows)}
-        masked_rows = []
+        masked_rows: list[int] = []
         for req_id in scheduler_output.structured_output_request_ids:
             i = index[req_id]
             masked_rows.extend(range(int(starts[i]), int(starts[i] + num_positions[i])))

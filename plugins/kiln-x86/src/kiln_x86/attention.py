@@ -185,6 +185,7 @@ class X86AttentionImpl(AttentionImpl[Any]):
         out = query.new_empty(num_tokens, self.num_heads, self.head_size, dtype=key_cache.dtype)
         if num_tokens > n:
             out[n:].zero_()
+        assert self.kernels is not None  # no reference: the kernels loaded
         # One call writes the step's keys and values at their slots, then attends.
         self.kernels.paged_attention_update(
             out,

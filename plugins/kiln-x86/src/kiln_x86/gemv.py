@@ -175,7 +175,7 @@ def pack(
         weights = v.reshape(tiles, nb, 512)
     else:
         nibbles = (v[:, :, 0] & 0x0F) | ((v[:, :, 1] & 0x0F) << 4)  # [tiles, nb, j, c, t]
-        parts = [nibbles.reshape(tiles, nb, 256)]
+        parts: list[np.ndarray] = [nibbles.reshape(tiles, nb, 256)]
         if f.bits > 4:
             # [tiles, nb, j, h, plane, 64 bits]: bit 4 c + t of a mask is bit 4 + plane of u.
             shifts = np.arange(4, f.bits, dtype=np.uint8).reshape(1, 1, 1, 1, -1, 1)

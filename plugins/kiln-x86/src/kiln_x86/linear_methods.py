@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -69,7 +69,8 @@ class X86GGUFInt8ActivationsLinearMethod(X86GGUFLinearMethod):
         # A layer that is one tiled weight gets kiln_x86.ops' direct ``linear`` kernel call.
         parts = getattr(layer, "gguf_parts", None)
         if parts is not None and len(parts) == 1 and isinstance(parts[0][1], gemv.TiledWeight):
-            layer.x86_tiled = parts[0][1]
+            # Not a tensor or module, which is all nn.Module's attribute typing allows.
+            layer.x86_tiled = parts[0][1]  # type: ignore[assignment]
 
 
 class X86Int8LinearMethod(Int8LinearMethod):
@@ -77,9 +78,9 @@ class X86Int8LinearMethod(Int8LinearMethod):
     model's dtype, which the kernel wants)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        dtype = layer.weight.dtype
+        dtype = cast(torch.Tensor, layer.weight).dtype
         super().process_weights_after_loading(layer)
-        layer.scales = layer.scales.to(dtype)
+        layer.scales = cast(torch.Tensor, layer.scales).to(dtype)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -98,11 +99,15 @@ class X86Int4LinearMethod(Int4LinearMethod):
     that kernel's layout (``int4_packed``) and ``scales_and_zeros`` [in / group, out, 2]."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        dtype = layer.weight.dtype
+        dtype = cast(torch.Tensor, layer.weight).dtype
         super().process_weights_after_loading(layer)
-        values = unpack_int4(layer.qweight).to(torch.int32)
+        # Int4LinearMethod's buffers.
+        qweight = cast(torch.Tensor, layer.qweight)
+        scales = cast(torch.Tensor, layer.scales)
+        zeros = cast(torch.Tensor, layer.zeros)
+        values = unpack_int4(qweight).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-        scales_and_zeros = torch.stack([layer.scales.t(), layer.zeros.t()], dim=-1)
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1)
         scales_and_zeros = scales_and_zeros.to(dtype).contiguous()
         del layer.qweight, layer.scales, layer.zeros
         layer.register_buffer("int4_packed", packed)

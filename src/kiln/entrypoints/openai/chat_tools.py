@@ -116,7 +116,7 @@ def plan_tools(request: ChatCompletionRequest, options: ToolServerOptions) -> To
     if choice == "required":
         schema = _required_schema(request, max_calls)
         return ToolPlan("required", None, names, max_calls, _structured(schema))
-    name = choice.function.name  # type: ignore[union-attr]
+    name = choice.function.name
     tool = next((t for t in tools if t.function.name == name), None)
     if tool is None:
         raise OpenAIError(
@@ -308,7 +308,8 @@ class ChoiceParser:
     def message(self, text: str) -> dict[str, Any]:
         """The whole choice's ``message`` fields: ``content``, ``tool_calls`` (when any) and
         ``reasoning_content`` (with a reasoning parser)."""
-        reasoning, content = None, text
+        reasoning: str | None = None
+        content: str | None = text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.extract_reasoning(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -91,7 +91,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets, to the context
     length)."""
-    buckets = []
+    buckets: list[int] = []
     scale = 1
     while True:
         for mantissa in (1, 2, 5):
@@ -111,7 +111,7 @@ class _TotalsCollector(Collector):
         self.names = ["model_name", "engine"]
         self.values: list[str] = []
         """The labels of the engine being collected."""
-        self.families: dict[str, Metric] = {}
+        self.families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
 
     def _gauge(self, name: str, doc: str, value: float) -> None:
         self._add(GaugeMetricFamily, name, doc, value)
@@ -119,7 +119,13 @@ class _TotalsCollector(Collector):
     def _counter(self, name: str, doc: str, value: float) -> None:
         self._add(CounterMetricFamily, name, doc, value)
 
-    def _add(self, kind: type, name: str, doc: str, value: float) -> None:
+    def _add(
+        self,
+        kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+        name: str,
+        doc: str,
+        value: float,
+    ) -> None:
         """The current engine's sample of family ``name`` (made at the first engine)."""
         if name not in self.families:
             self.families[name] = kind(f"{self.prefix}:{name}", doc, labels=self.names)

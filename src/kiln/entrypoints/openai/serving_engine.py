@@ -362,7 +362,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                logit_bias=logit_bias,  # type: ignore[arg-type]
+                logit_bias=logit_bias,
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words,
                 truncate_prompt_tokens=request.truncate_prompt_tokens,

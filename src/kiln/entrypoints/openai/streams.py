@@ -53,8 +53,7 @@ async def merge_async_iterators(
             yield 0, item
         return
     pending: dict[asyncio.Future[T], int] = {
-        asyncio.ensure_future(anext(it)): i  # type: ignore[arg-type]
-        for i, it in enumerate(iterators)
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
     }
     try:
         while pending:
@@ -65,7 +64,7 @@ async def merge_async_iterators(
                     item = future.result()
                 except StopAsyncIteration:
                     continue
-                pending[asyncio.ensure_future(anext(iterators[index]))] = index  # type: ignore[arg-type]
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
                 yield index, item
     finally:
         # Cancelling a task cancels the generator it runs (which aborts its request).

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +158,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, cast(torch.Tensor, layer.weight), bias)
 
 
 class QuantizationConfig(ABC):
@@ -247,7 +247,7 @@ class LinearBase(CustomOp):
         for layer in layers:
             for param in layer.parameters():
                 param.data.copy_(0.1 * torch.randn(param.shape, generator=generator))
-            dtype = layer.weight.dtype
+            dtype = cast(torch.Tensor, layer.weight).dtype
             for num_tokens in (1, 9):
                 x = torch.randn(num_tokens, 64, generator=generator).to(dtype)
                 examples.append((layer, (x,), {}))

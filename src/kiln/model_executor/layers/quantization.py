@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -64,6 +65,34 @@ class GGUFWeight:
     data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
+
+
+class _GGUFLayer(Protocol):
+    """What ``GGUFLinearMethod`` keeps on its layer (an ``nn.Module``, whose attribute typing
+    knows only tensors and modules); platforms read ``gguf_parts``."""
+
+    gguf_input_size: int
+    gguf_sizes: list[int]
+    gguf_dtype: torch.dtype
+    gguf_shards: list[GGUFWeight | torch.Tensor | None] | None
+    """One entry per fused part until ``process_weights_after_loading``, then None."""
+    gguf_parts: list[tuple[GGMLQuantizationType | None, Any]]
+    """(qtype, packed) per run of parts of one type; qtype None: a dense tensor."""
+
+
+class _Int8Layer(Protocol):
+    """The buffers ``Int8LinearMethod`` leaves on its layer."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+
+class _Int4Layer(Protocol):
+    """The buffers ``Int4LinearMethod`` leaves on its layer."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
 
 
 def _shard_index(layer: nn.Module, shard_id: Any, num_shards: int) -> int:
@@ -116,11 +145,12 @@ class GGUFLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         weight_loader: WeightLoader,
     ) -> None:
-        layer.gguf_input_size = input_size
-        layer.gguf_sizes = list(output_partition_sizes)
-        layer.gguf_dtype = params_dtype
-        layer.gguf_shards = [None] * len(layer.gguf_sizes)
-        layer.gguf_parts = []
+        state = cast(_GGUFLayer, layer)
+        state.gguf_input_size = input_size
+        state.gguf_sizes = list(output_partition_sizes)
+        state.gguf_dtype = params_dtype
+        state.gguf_shards = [None] * len(state.gguf_sizes)
+        state.gguf_parts = []
         # Empty until loaded: its shape depends on the file's block format.
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         set_weight_attrs(weight, {"weight_loader": functools.partial(self._load, layer)})
@@ -133,26 +163,30 @@ class GGUFLinearMethod(LinearMethodBase):
         loaded: GGUFWeight | torch.Tensor,
         shard_id: Any = None,
     ) -> None:
-        index = _shard_index(layer, shard_id, len(layer.gguf_sizes))
+        state = cast(_GGUFLayer, layer)
+        index = _shard_index(layer, shard_id, len(state.gguf_sizes))
         shape = tuple(loaded.shape)
-        expected = (layer.gguf_sizes[index], layer.gguf_input_size)
+        expected = (state.gguf_sizes[index], state.gguf_input_size)
         if shape != expected:
             raise ValueError(
                 f"{getattr(layer, 'prefix', '')}: checkpoint tensor of shape {shape} does not "
                 f"fit part {index} of shape {expected}"
             )
-        layer.gguf_shards[index] = loaded
+        assert state.gguf_shards is not None, "loaded after process_weights_after_loading"
+        state.gguf_shards[index] = loaded
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        state = cast(_GGUFLayer, layer)
+        assert state.gguf_shards is not None, "processed twice"
         groups: list[tuple[GGMLQuantizationType | None, list[torch.Tensor], int]] = []
-        for index, shard in enumerate(layer.gguf_shards):
+        for index, shard in enumerate(state.gguf_shards):
             if shard is None:
                 raise ValueError(f"{getattr(layer, 'prefix', '')}: part {index} was not loaded")
             if isinstance(shard, GGUFWeight):
                 qtype, data = shard.qtype, shard.data
             else:
-                qtype, data = None, shard.to(layer.gguf_dtype)
-            rows = layer.gguf_sizes[index]
+                qtype, data = None, shard.to(state.gguf_dtype)
+            rows = state.gguf_sizes[index]
             if groups and groups[-1][0] == qtype:
                 groups[-1][1].append(data)
                 groups[-1] = (qtype, groups[-1][1], groups[-1][2] + rows)
@@ -164,9 +198,9 @@ class GGUFLinearMethod(LinearMethodBase):
             if qtype is None:
                 parts.append((None, data.contiguous()))
             else:
-                parts.append((qtype, self.pack(data, qtype, rows, layer.gguf_input_size)))
-        layer.gguf_parts = parts
-        layer.gguf_shards = None
+                parts.append((qtype, self.pack(data, qtype, rows, state.gguf_input_size)))
+        state.gguf_parts = parts
+        state.gguf_shards = None
         del layer.weight
         for i, (_qtype, packed) in enumerate(parts):
             # Tensors the pack keeps are buffers, so that moving and measuring the model sees them.
@@ -178,18 +212,19 @@ class GGUFLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         outs = [
             F.linear(x, packed) if qtype is None else self.matmul(x, packed)
-            for qtype, packed in layer.gguf_parts
+            for qtype, packed in cast(_GGUFLayer, layer).gguf_parts
         ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out + bias
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        (qtype, packed), *rest = layer.gguf_parts
+        state = cast(_GGUFLayer, layer)
+        (qtype, packed), *rest = state.gguf_parts
         if rest:
             raise ValueError(f"{getattr(layer, 'prefix', '')}: an embedding has one part")
         if qtype is None:
             return F.embedding(input_ids, packed)
-        return self.embed(input_ids, packed).to(layer.gguf_dtype)
+        return self.embed(input_ids, packed).to(state.gguf_dtype)
 
 
 def _dequantize(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -223,7 +258,7 @@ class Int8LinearMethod(_DenseThenQuantize):
     """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight, scales = quantize_int8(layer.weight.detach())
+        qweight, scales = quantize_int8(cast(torch.Tensor, layer.weight).detach())
         del layer.weight
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("scales", scales)
@@ -231,7 +266,8 @@ class Int8LinearMethod(_DenseThenQuantize):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        weight = dequantize_int8(layer.qweight, layer.scales)
+        buffers = cast(_Int8Layer, layer)
+        weight = dequantize_int8(buffers.qweight, buffers.scales)
         return F.linear(x, weight.to(x.dtype), bias)
 
 
@@ -244,7 +280,7 @@ class Int4LinearMethod(_DenseThenQuantize):
     """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight, scales, zeros = quantize_int4(layer.weight.detach())
+        qweight, scales, zeros = quantize_int4(cast(torch.Tensor, layer.weight).detach())
         del layer.weight
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("scales", scales)
@@ -253,7 +289,8 @@ class Int4LinearMethod(_DenseThenQuantize):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        weight = dequantize_int4(layer.qweight, layer.scales, layer.zeros)
+        buffers = cast(_Int4Layer, layer)
+        weight = dequantize_int4(buffers.qweight, buffers.scales, buffers.zeros)
         return F.linear(x, weight.to(x.dtype), bias)
 
 
@@ -346,7 +383,11 @@ def reference_quant_config(method: str) -> QuantizationConfig:
     Raises:
         ValueError: ``method`` is not "gguf", "int8" or "int4".
     """
-    configs = {"gguf": GGUFQuantConfig, "int8": Int8QuantConfig, "int4": Int4QuantConfig}
+    configs: dict[str, Callable[[], QuantizationConfig]] = {
+        "gguf": GGUFQuantConfig,
+        "int8": Int8QuantConfig,
+        "int4": Int4QuantConfig,
+    }
     if method not in configs:
         raise ValueError(f"model.quantization={method!r} is invalid; allowed: {list(configs)}")
     return configs[method]()

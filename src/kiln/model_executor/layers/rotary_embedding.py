@@ -82,6 +82,9 @@ class RotaryEmbedding(CustomOp):
             to it).
     """
 
+    cos_sin_cache: torch.Tensor
+    """Buffer (register_buffer) [max_position, head_dim]: cos then sin of each position."""
+
     def __init__(
         self,
         head_dim: int,

@@ -15,6 +15,7 @@ file llama.cpp writes. This module knows nothing about models or tensor names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -189,7 +190,10 @@ _BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarra
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
 }
-_FLOAT_TYPES = {GGMLQuantizationType.F32: np.dtype("<f4"), GGMLQuantizationType.F16: _F16}
+_FLOAT_TYPES: dict[GGMLQuantizationType, np.dtype[Any]] = {
+    GGMLQuantizationType.F32: np.dtype("<f4"),
+    GGMLQuantizationType.F16: _F16,
+}
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_FLOAT_TYPES, *_BLOCK_DEQUANTIZERS))
 

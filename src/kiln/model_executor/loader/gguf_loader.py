@@ -309,7 +309,7 @@ class _FastGGUFReader(GGUFReader):
     changes that, the override is simply not used and parsing is slower, not wrong.
     """
 
-    def _get(self, offset, dtype, count=1, override_order=None):  # type: ignore[no-untyped-def]
+    def _get(self, offset, dtype, count=1, override_order=None):
         if isinstance(getattr(self, "data", None), np.memmap):
             self.data = self.data.view(np.ndarray)
         return super()._get(offset, dtype, count, override_order)

@@ -321,6 +321,7 @@ class LlamaModel(nn.Module):
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.pp_group.is_last:
+            assert residual is not None  # every stage holds a layer (layer_range); it sets one
             self.pp_group.send_to_next(torch.stack([hidden_states, residual]))
             return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -376,7 +377,11 @@ class LlamaForCausalLM(nn.Module):
         # A last stage without the embedding loads the tied head from the embedding's tensor.
         self.loads_head_from_embedding = self.args.tie_word_embeddings and not pp_group.is_first
         if self.args.tie_word_embeddings and pp_group.world_size == 1:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+            # One stage holds both, so neither is a MissingLayer.
+            embed_tokens = self.model.embed_tokens
+            assert isinstance(self.lm_head, ParallelLMHead)
+            assert isinstance(embed_tokens, VocabParallelEmbedding)
+            self.lm_head.tie_weights(embed_tokens)
         self.logits_processor = LogitsProcessor(self.args.vocab_size, self.args.logits_scale)
 
     @classmethod
@@ -452,8 +457,8 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         all_shards: dict[str, set[str | int]] = {}
-        for fused, shard in self.packed_modules.values():
-            all_shards.setdefault(fused, set()).add(shard)
+        for fused_name, shard_id in self.packed_modules.values():
+            all_shards.setdefault(fused_name, set()).add(shard_id)
         seen_shards: dict[str, set[str | int]] = {}
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -463,7 +468,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.loads_head_from_embedding and hf_name == "model.embed_tokens.weight":
                 hf_name = "lm_head.weight"
-            name, fused, shard = self._param_name(hf_name)
+            name, packed = self._param_name(hf_name)
             param = params.get(name)
             if param is None and is_on_other_stage(self, name):
                 continue
@@ -473,10 +478,11 @@ class LlamaForCausalLM(nn.Module):
                     f"{type(self).__name__} (looked for {name!r})"
                 )
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            if fused is None:
+            if packed is None:
                 weight_loader(param, tensor)
                 loaded.add(name)
             else:
+                fused, shard = packed
                 weight_loader(param, tensor, shard)
                 seen = seen_shards.setdefault(name, set())
                 seen.add(shard)
@@ -484,15 +490,15 @@ class LlamaForCausalLM(nn.Module):
                     loaded.add(name)
         return loaded
 
-    def _param_name(self, hf_name: str) -> tuple[str, str | None, str | int | None]:
-        """``(parameter name, fused module or None, shard id or None)`` of a checkpoint name."""
+    def _param_name(self, hf_name: str) -> tuple[str, tuple[str, str | int] | None]:
+        """``(parameter name, (fused module, shard id) or None)`` of a checkpoint name."""
         parts = hf_name.split(".")
         for i, part in enumerate(parts):
             if part in self.packed_modules:
                 fused, shard = self.packed_modules[part]
                 parts[i] = fused
-                return ".".join(parts), fused, shard
-        return hf_name, None, None
+                return ".".join(parts), (fused, shard)
+        return hf_name, None
 
 
 __all__ = [

@@ -243,7 +243,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - num_held_blocks - num_hit_blocks
         num_available = self.block_pool.get_num_free_blocks()
-        if num_hit_blocks:
+        if new_computed_blocks:  # i.e. num_hit_blocks > 0
             # Hit blocks that are free leave the free queue when touched.
             num_available -= sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         return num_new_blocks if num_new_blocks <= num_available else None

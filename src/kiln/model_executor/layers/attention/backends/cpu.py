@@ -196,6 +196,7 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         if num_tokens > n:
             out[n:].zero_()
         if md.num_decodes:
+            assert md.decode_token_idx is not None  # the builder sets it with num_decodes
             out.index_copy_(0, md.decode_token_idx, self._decode(md, query, key_cache, value_cache))
         for p in md.prefills:
             out[p.token_start : p.token_end] = self._prefill(
