@@ -66,4 +66,8 @@ def test_the_cpu_platform_decides_from_them(monkeypatch, flags, native_bf16, row
 def test_cpu_flags_is_in_the_plugin_api():
     guide = (pathlib.Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
     section = guide[guide.index("## 6. What a plugin may import") :]
-    assert "`kiln.platforms.cpu_flags()`" in section
+    assert "| `cpu_flags` | `cpu_flags()`:" in section
+    from kiln import plugin_api
+    from kiln.platforms import cpu_flags
+
+    assert plugin_api.cpu_flags is cpu_flags

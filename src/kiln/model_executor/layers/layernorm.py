@@ -121,7 +121,7 @@ class ShardedRMSNorm(RMSNorm):
         local = loaded_weight.narrow(0, self.shard_start, self.hidden_size)
         default_weight_loader(param, local, shard_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., hidden_size] (this rank's columns) -> normed."""
         if self.tp_group.world_size == 1:
             return super().forward(x)
