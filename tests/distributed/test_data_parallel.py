@@ -77,8 +77,11 @@ def test_worker_cpus_splits_the_cores_between_engines_and_ranks(num_cpus, dp, tp
 def test_worker_cpus_is_in_the_plugin_api():
     guide = (pathlib.Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
     section = guide[guide.index("## 6. What a plugin may import") :]
-    assert "`kiln.platforms.worker_cpus(config, cpus)`" in section
+    assert "| `worker_cpus` | `worker_cpus(config, cpus)`:" in section
     assert list(inspect.signature(worker_cpus).parameters) == ["config", "cpus"]
+    from kiln import plugin_api
+
+    assert plugin_api.worker_cpus is worker_cpus
 
 
 def test_x86_splits_the_model_cores_of_engines_and_ranks():
