@@ -3,12 +3,12 @@
 Each family is a small random model made by ``transformers`` from a seeded config
 (``save_tiny_model``: two layers, four query heads over two KV heads, here a vocabulary of 251, no
 multiple of 8), with random norm weights and biases (``random_norms``), saved as a Hugging Face
-folder. Kiln serves the folder on the
-reference ``cpu`` platform in float32 and must give transformers' greedy tokens for 32 steps, and
-logprobs (the chosen token and the top 5) within 1e-4 of transformers' float32 ``log_softmax`` at
-every position. The configs switch on what is particular to each family: Granite's four
-multipliers, OLMo 2's post-norm blocks and whole-projection q/k norms, Phi-3's fused checkpoint
-projections and a sliding window shorter than the sequences.
+folder. Kiln serves the folder in float32 on the process's platform (kiln-x86 where it is
+installed: a pytest process selects one platform) and must give transformers' greedy tokens for
+32 steps, and logprobs (the chosen token and the top 5) within 1e-4 of transformers' float32
+``log_softmax`` at every position. The configs switch on what is particular to each family:
+Granite's four multipliers, OLMo 2's post-norm blocks and whole-projection q/k norms, Phi-3's
+fused checkpoint projections and a sliding window shorter than the sequences.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, gguf_path, hf_ref
     llm = LLM(
         folder,
         tokenizer=gguf_path,
-        platform="cpu",
         dtype="float32",
         kv_cache_memory=0.02,
         max_model_len=256,
