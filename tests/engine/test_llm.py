@@ -97,3 +97,15 @@ def test_bad_input_is_a_value_error_and_nothing_is_left_queued(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_seqs'\]"):
         LLM(max_seqs=4)
+
+
+def test_one_prompt_of_any_mapping_or_sequence_type(llm):
+    """A single prompt given as a mapping that is not a dict, or as a tuple of token ids, is one
+    prompt (a non-dict mapping used to be taken as a list of its keys)."""
+    from types import MappingProxyType
+
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (reference,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, short, use_tqdm=False)
+    for prompt in (MappingProxyType({"prompt_token_ids": [5, 6, 7]}), (5, 6, 7)):
+        (output,) = llm.generate(prompt, short, use_tqdm=False)
+        assert output.outputs[0].token_ids == reference.outputs[0].token_ids

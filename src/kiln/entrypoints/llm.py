@@ -26,11 +26,12 @@ Messages = Sequence[Mapping[str, Any]]
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """``prompts`` as a list: one prompt (a string, a dict, or token ids) becomes a list of one."""
-    if isinstance(prompts, str | dict):
+    """``prompts`` as a list: one prompt (a string, a mapping, or token ids) becomes a list of
+    one."""
+    if isinstance(prompts, str | Mapping):
         return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        return [cast("Sequence[int]", prompts)]  # token ids: one prompt
     # What is left is a sequence of prompts (isinstance cannot tell Sequence[int] from it).
     return list(cast("Sequence[PromptType]", prompts))
 
