@@ -69,6 +69,10 @@ def _first_ready(sentinels: list[int]) -> int:
 
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _heartbeat_decoder = msgspec.msgpack.Decoder(int)
+_FRAME_DECODERS: dict[
+    bytes, msgspec.msgpack.Decoder[EngineCoreOutputs] | msgspec.msgpack.Decoder[int]
+] = {OUTPUTS: _outputs_decoder, HEARTBEAT: _heartbeat_decoder}
+"""The decoder of each kind of frame the engines send once they are ready (``_decode``)."""
 _encoder = msgspec.msgpack.Encoder()
 DROPPED_FRAMES_LOGGED = 10
 """Malformed output frames logged one by one; after them, one in ``DROPPED_FRAMES_LOG_EVERY``."""
@@ -307,9 +311,7 @@ class AsyncMPClient:
         heard from; None too for frames that are not ``[outputs, EngineCoreOutputs]`` or
         ``[heartbeat, index]`` of one of the engines (logged: the first few, then one in
         ``DROPPED_FRAMES_LOG_EVERY``)."""
-        decoders: dict[
-            bytes, msgspec.msgpack.Decoder[EngineCoreOutputs] | msgspec.msgpack.Decoder[int]
-        ] = {OUTPUTS: _outputs_decoder, HEARTBEAT: _heartbeat_decoder}
+        decoders = _FRAME_DECODERS
         if len(frames) != 2 or frames[0] not in decoders:
             reason = _describe(frames)
         else:

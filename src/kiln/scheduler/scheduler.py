@@ -78,7 +78,7 @@ from kiln.scheduler.pipeline import InFlightBatches, input_token_ids
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.structured_output import StructuredOutputManager
-from kiln.structured_output.manager import valid_drafts
+from kiln.structured_output.manager import grammar_failure, valid_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -416,8 +416,8 @@ class Scheduler(SchedulerInterface):
             is_stopped = False
             for i, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
-                if request.matcher is not None:
-                    self._accept(request, token_id)
+                if request.matcher is not None and not self._accept(request, token_id):
+                    break  # its grammar raised: failed below, before it can stop
                 if is_stopped := request.check_stop(self.max_model_len):
                     new_token_ids = new_token_ids[: i + 1]
                     break
@@ -486,9 +486,9 @@ class Scheduler(SchedulerInterface):
         for request, error in failed:
             self._fail(request, error)
 
-    def _accept(self, request: Request, token_id: int) -> None:
-        """Advance ``request``'s grammar by ``token_id``; a grammar that raises fails the
-        request at the next update (``_grammar_errors``), not the step."""
+    def _accept(self, request: Request, token_id: int) -> bool:
+        """Advance ``request``'s grammar by ``token_id``. False when the grammar raised: the
+        request is then in ``_grammar_errors`` (failed by this update), not the step."""
         assert request.matcher is not None
         try:
             if not request.matcher.accept_token(token_id):
@@ -498,9 +498,9 @@ class Scheduler(SchedulerInterface):
                     token_id,
                 )
         except Exception as exc:
-            self._grammar_errors[request.request_id] = (
-                f"structured_outputs: the grammar failed: {exc}"
-            )
+            self._grammar_errors[request.request_id] = grammar_failure(exc)
+            return False
+        return True
 
     def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """The runner's ``drafts`` for ``request``'s next step, cut where its grammar (which has
@@ -512,9 +512,7 @@ class Scheduler(SchedulerInterface):
         try:
             return valid_drafts(request.matcher, drafts)
         except Exception as exc:
-            self._grammar_errors[request.request_id] = (
-                f"structured_outputs: the grammar failed: {exc}"
-            )
+            self._grammar_errors[request.request_id] = grammar_failure(exc)
             return []
 
     def _fail_requests(self, errors: dict[str, str]) -> None:

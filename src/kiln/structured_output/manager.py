@@ -189,7 +189,7 @@ class StructuredOutputManager:
                 if errors is None:
                     raise
                 bitmask[row : row + 1 + len(request_drafts)] = -1
-                errors[index] = f"structured_outputs: the grammar failed: {exc}"
+                errors[index] = grammar_failure(exc)
             row += 1 + len(request_drafts)
         return bitmask.numpy()
 
@@ -213,6 +213,11 @@ class StructuredOutputManager:
                 )
                 self._backends[backend_name] = backend
         return backend.compile(params)
+
+
+def grammar_failure(exc: Exception) -> str:
+    """The error a request whose grammar raised ``exc`` finishes with."""
+    return f"structured_outputs: the grammar failed: {exc}"
 
 
 def _fill_rows(
