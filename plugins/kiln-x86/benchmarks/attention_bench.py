@@ -11,13 +11,17 @@ The backends run interleaved, round after round, and each keeps its best round (
 a shared machine only ever adds time). With one thread (the default) the time is the thread's CPU
 time, which other processes on a busy machine do not inflate; with more, wall time.
 
+``--f32-probabilities`` also times a build whose bf16 prompt tiles keep their probabilities in
+float32 for the value product (``-DKILN_X86_F32_PROBS``; by default they are rounded to bf16 where
+the CPU has AVX512-BF16).
+
 ``--layers N`` gives each case N layers' caches, called in turn as the model does: with 30 the
 K/V no longer fit in the core's L2 cache (16 x 200 tokens are 2.4 MB of bf16 K/V per layer), as
 in the engine. ``--baseline REV`` also times the kernel as it was at git revision REV (built from
 that revision's ``csrc/`` into the kernel cache), for a before/after in the same run.
 
     python plugins/kiln-x86/benchmarks/attention_bench.py [--threads N] [--dtype bfloat16|float32]
-        [--layers N] [--baseline REV]
+        [--layers N] [--baseline REV] [--f32-probabilities] [--cases TEXT]
 """
 
 from __future__ import annotations
@@ -149,11 +153,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=1, help="layers' caches per case")
     parser.add_argument("--baseline", metavar="REV", help="also time the kernel at git REV")
+    parser.add_argument("--cases", help="only the cases whose name contains this text")
+    parser.add_argument(
+        "--f32-probabilities",
+        action="store_true",
+        help="also time the kernel built with float32 probabilities in bf16 prompt tiles",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     assert load_attention_kernels() is not None, "the attention kernel did not build"
     baseline = baseline_kernels(args.baseline) if args.baseline else None
+    f32_probabilities = None
+    if args.f32_probabilities:
+        f32_probabilities = load_extension(
+            "kiln_x86_attention_f32_probs",
+            ATTENTION_SOURCE,
+            [*ATTENTION_CFLAGS, "-DKILN_X86_F32_PROBS"],
+        )
+        assert f32_probabilities is not None, "the float32-probabilities build failed"
     cases = [(f"decode x16, context {c}", [(c - 1, 1)] * 16) for c in (64, 128, 200, 256, 512)]
     cases += [(f"decode x1, context {c}", [(c - 1, 1)]) for c in (512, 1024)]
     cases += [
@@ -162,15 +180,23 @@ def main() -> None:
         ("15 decodes at 200 + prefill 128", [(199, 1)] * 15 + [(0, 128)]),
         ("prefill 2000", [(0, 2000)]),
     ]
+    if args.cases:
+        cases = [case for case in cases if args.cases in case[0]]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(
         f"# {args.dtype}, {args.threads} thread(s) ({clock.__name__}), {args.layers} layer(s), "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    columns = ["reference", *(["baseline"] if baseline else []), "x86"]
+    columns = [
+        "reference",
+        *(["baseline"] if baseline else []),
+        *(["f32"] if f32_probabilities else []),
+        "x86",
+    ]
     heads = {
         "reference": "reference",
         "baseline": f"kiln-x86 at {args.baseline}",
+        "f32": "kiln-x86, float32 probabilities",
         "x86": "kiln-x86",
     }
     print("| case | " + " | ".join(f"{heads[c]} (us)" for c in columns) + " | speed-up |")
@@ -184,6 +210,8 @@ def main() -> None:
             }
             if baseline is not None:
                 calls["baseline"] = layer_calls(X86AttentionBackend, layers, baseline)
+            if f32_probabilities is not None:
+                calls["f32"] = layer_calls(X86AttentionBackend, layers, f32_probabilities)
             number = max(
                 1, (2 if "2000" in name else 20 if "prefill" in name else 50) // args.layers
             )

@@ -97,7 +97,7 @@ class TiledWeight:
 
 
 @functools.cache
-def _build_flags() -> list[str]:
+def build_flags() -> list[str]:
     # The build's name hashes its flags: naming VNNI keeps an AVX-512 CPU without it (whose
     # -march=native build has no kernel) from sharing a cached build with one that has it.
     # Cached: matmul asks for the extension on every call.
@@ -113,7 +113,7 @@ def load_gemv_kernels() -> Any:
     model loading)."""
     if is_capturing():
         return _TRACED
-    ext = kernels.load_extension("kiln_x86_gemv", SOURCE, _build_flags())
+    ext = kernels.load_extension("kiln_x86_gemv", SOURCE, build_flags())
     if ext is not None and not _TRACED.__dict__:
         _register_traced()
     return ext

@@ -10,7 +10,9 @@ compiler): callers then keep the reference implementations. ``python -m kiln_x86
 builds it ahead of time (Kiln's set-up script does). ``load_extension(stem, source)`` builds
 and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kiln_x86.attention``;
 ``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``; ``x86_lora.cpp``:
-``kiln_x86.lora``).
+``kiln_x86.lora``). An extension with an ``attach_pool`` function runs its parallel loops on
+the work pool of ``x86_gemv.cpp`` (``csrc/work_pool.h``), attached as it loads: the process has
+one set of helper threads (``x86.helper_threads``), whichever kernels they serve.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "KILN_X86_CACHE_DIR"
 SOURCE = Path(__file__).parent / "csrc" / "x86_ops.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+OPENMP = ["-fopenmp"]
+"""Compiler and linker flag of every build: ``at::parallel_for`` is an OpenMP loop only where
+the extension is compiled with OpenMP (without, ATen's header runs it as one serial call). The
+extension then links ``libgomp.so.1``, which resolves to the runtime torch already loaded (the
+same soname), so ``torch.set_num_threads`` sets its team size too."""
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", *OPENMP]
 
 ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "x86_attention.cpp"
-ATTENTION_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+ATTENTION_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", *OPENMP]
 """Products may fuse into FMAs here: attention matches the reference to float32 precision, not
 bit for bit (its sums run in another order anyway)."""
 
@@ -155,6 +162,7 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
                 name=name,
                 sources=[str(_copy_sources(source, build_dir))],
                 extra_cflags=cflags,
+                extra_ldflags=OPENMP,
                 build_directory=str(build_dir),
                 verbose=False,
             )
@@ -165,7 +173,18 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
         if not cached:
             logger.warning("kiln-x86: kernels built in %.0f s", time.perf_counter() - start)
     _STATE[stem] = module
+    if module is not None and hasattr(module, "attach_pool"):
+        _attach_pool(module)
     return module
+
+
+def _attach_pool(module: ModuleType) -> None:
+    """``module``'s parallel loops go to the matmul extension's work pool, where it builds."""
+    from kiln_x86 import gemv  # imports this module: loaded here, not at the top
+
+    pool = load_extension("kiln_x86_gemv", gemv.SOURCE, gemv.build_flags())
+    if pool is not None:
+        module.attach_pool(pool.pool_handle())
 
 
 if __name__ == "__main__":

@@ -103,13 +103,15 @@ def _graph_mode(config: KilnConfig, mode: str) -> KilnConfig:
 
 
 def _start_helpers(cpus: tuple[int, ...]) -> None:
-    """The int8 matmul kernels' helper threads, one per entry of ``cpus`` (-1: not pinned)."""
+    """The work pool's helper threads (int8 matmuls and attention), one per entry of ``cpus``
+    (-1: not pinned)."""
     from kiln_x86 import gemv
 
-    if not cpus or not gemv.available():
+    pool = gemv.load_gemv_kernels() if cpus else None
+    if pool is None:
         return
-    gemv.load_gemv_kernels().set_pool_helpers(list(cpus))
-    logger.info("x86: %d matmul helper thread(s) on core(s) %s", len(cpus), cpus)
+    pool.set_pool_helpers(list(cpus))
+    logger.info("x86: %d helper thread(s) (matmuls, attention) on core(s) %s", len(cpus), cpus)
 
 
 class X86Platform(CpuPlatform):

@@ -140,16 +140,33 @@ inline vf16 exp_nonpositive16(vf16 x) {
   return in_range ? p * scale : splat(0.0f);
 }
 
-// Per-thread buffers.
+// Per-thread buffers, grown to the largest item a thread has met (not zeroed).
 struct Scratch {
-  std::unique_ptr<float[]> q_buf, o_buf, s_buf, k_buf, v_buf, m_buf, l_buf;  // not zeroed
-  float *q, *o, *s, *k, *v, *m, *l;
+  float *q = nullptr, *o = nullptr, *s = nullptr, *k = nullptr, *v = nullptr, *m = nullptr,
+        *l = nullptr;
+  Scratch() = default;
   // `rows` query rows of `d`, and scores against up to `keys` keys at a time.
-  Scratch(int64_t rows, int64_t d, int64_t keys)
-      : q_buf(new float[rows * d]), o_buf(new float[rows * d]), s_buf(new float[rows * keys]),
-        k_buf(new float[keys * d]), v_buf(new float[keys * d]), m_buf(new float[rows]),
-        l_buf(new float[rows]), q(q_buf.get()), o(o_buf.get()), s(s_buf.get()), k(k_buf.get()),
-        v(v_buf.get()), m(m_buf.get()), l(l_buf.get()) {}
+  Scratch(int64_t rows, int64_t d, int64_t keys) { reserve(rows, d, keys); }
+  void reserve(int64_t rows, int64_t d, int64_t keys) {
+    q = grow(0, rows * d);
+    o = grow(1, rows * d);
+    s = grow(2, rows * keys);
+    k = grow(3, keys * d);
+    v = grow(4, keys * d);
+    m = grow(5, rows);
+    l = grow(6, rows);
+  }
+
+ private:
+  float* grow(int i, int64_t size) {
+    if (size > sizes_[i]) {
+      bufs_[i].reset(new float[size]);
+      sizes_[i] = size;
+    }
+    return bufs_[i].get();
+  }
+  std::unique_ptr<float[]> bufs_[7];
+  int64_t sizes_[7] = {};
 };
 
 // The keys [lo, hi) an item may see (rows narrow it further: causal, sliding window).

@@ -17,13 +17,18 @@
 // ``set_helpers(cpus)`` replaces the helpers by one per core of ``cpus`` (not while a ``run`` is
 // in progress). Between
 // loops a helper spins for ``kSpinNs`` (the gap between two matmuls of a step), then sleeps
-// until the next loop. One pool per extension that includes this header.
+// until the next loop. One pool per extension that includes this header; ``attach(handle)``
+// sends an extension's loops to another extension's pool (``handle()``: plain function
+// pointers, the same across copies of this header), so a process keeps one set of helpers.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <pthread.h>
+#include <torch/extension.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -35,6 +40,12 @@
 
 namespace kiln_x86 {
 
+// A pool's two entry points as plain function pointers, for another extension to call.
+struct PoolHandle {
+  int (*helpers)();
+  void (*run)(int64_t n, void (*fn)(const void*, int64_t), const void* arg);
+};
+
 class WorkPool {
  public:
   static WorkPool& instance() {
@@ -42,7 +53,22 @@ class WorkPool {
     return pool;
   }
 
-  int helpers() const { return static_cast<int>(threads_.size()); }
+  // This extension's pool (its own helpers, never an attached one's).
+  static const PoolHandle* handle() {
+    static const PoolHandle h{
+        [] { return static_cast<int>(instance().threads_.size()); },
+        [](int64_t n, void (*fn)(const void*, int64_t), const void* arg) {
+          instance().run_here(n, [fn, arg](int64_t i) { fn(arg, i); });
+        }};
+    return &h;
+  }
+
+  // Later loops run on `other`'s pool (null, or this pool's own handle: on this one again).
+  void attach(const PoolHandle* other) { attached_ = other == handle() ? nullptr : other; }
+
+  int helpers() const {
+    return attached_ ? attached_->helpers() : static_cast<int>(threads_.size());
+  }
 
   // One helper per entry of `cpus`, pinned to that core (a negative id: not pinned); empty: none.
   void set_helpers(const std::vector<int>& cpus) {
@@ -64,6 +90,23 @@ class WorkPool {
 
   template <typename Fn>
   void run(int64_t n, const Fn& fn) {
+    if (attached_ != nullptr) {
+      attached_->run(n, [](const void* f, int64_t i) { (*static_cast<const Fn*>(f))(i); }, &fn);
+      return;
+    }
+    run_here(n, fn);
+  }
+
+  ~WorkPool() { stop_helpers(); }
+
+ private:
+  static constexpr uint64_t kClosed = 0xffffffffu;
+  static constexpr int64_t kSpinNs = 200000;
+
+  WorkPool() = default;
+
+  template <typename Fn>
+  void run_here(int64_t n, const Fn& fn) {
     if (threads_.empty() || n <= 1) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
@@ -89,14 +132,6 @@ class WorkPool {
     // Closed: a helper that read this loop's generation late can claim nothing more of it.
     state_.store((gen << 32) | kClosed, std::memory_order_release);
   }
-
-  ~WorkPool() { stop_helpers(); }
-
- private:
-  static constexpr uint64_t kClosed = 0xffffffffu;
-  static constexpr int64_t kSpinNs = 200000;
-
-  WorkPool() = default;
 
   // Claims and runs chunks of loop `gen` (of `n` chunks) until none is left.
   void claim(uint64_t gen, int64_t n) {
@@ -158,6 +193,34 @@ class WorkPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<std::thread> threads_;
+  const PoolHandle* attached_ = nullptr;
 };
+
+// fn(b, e) over [begin, end) in pieces of `grain`: shared with the pool's helpers where it has
+// any, else at::parallel_for (torch's threads). For loops whose results do not depend on how the
+// range is cut (each element computed on its own).
+template <typename Fn>
+void parallel_range(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  WorkPool& pool = WorkPool::instance();
+  grain = std::max<int64_t>(1, grain);
+  if (pool.helpers() > 0 && end - begin > grain) {
+    const int64_t pieces = (end - begin + grain - 1) / grain;
+    pool.run(pieces, [&](int64_t i) {
+      fn(begin + i * grain, std::min(end, begin + (i + 1) * grain));
+    });
+    return;
+  }
+  at::parallel_for(begin, end, grain, fn);
+}
+
+// The module's attach_pool(handle): its loops go to another extension's pool (pool_handle()).
+inline void def_attach_pool(pybind11::module_& m) {
+  m.def(
+      "attach_pool",
+      [](uintptr_t handle) {
+        WorkPool::instance().attach(reinterpret_cast<const PoolHandle*>(handle));
+      },
+      "run this extension's parallel loops on another kiln-x86 extension's work pool");
+}
 
 }  // namespace kiln_x86

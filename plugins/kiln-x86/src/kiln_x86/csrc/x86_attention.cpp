@@ -11,26 +11,33 @@
 // head (grouped-query attention), so each K/V block is read once for all of them. A decode (one
 // token) runs attention_decode.h's AVX-512 kernel where the build and head size have one, else
 // attend_token here (portable vector code); several tokens, or one prompt token, run attend_tile
-// (attention_tile.h's products, whose rounding per row does not depend on the tile). Over
-// the blocks each keeps a flash-style online softmax (running max and sum per row) in float32; a
-// row sees keys at positions <= its own (the causal offset of a request with a cached prefix:
-// position = num_computed + index in the request's new tokens), and with a sliding window only
-// the last `sliding_window` of them. A decode of a context longer than kSplitTokens is split over
-// it into spans of kSplitTokens (items the threads share), merged afterwards by their running max
-// and sum: always, whatever the thread count and the step's other requests, so that a decode's
-// bits depend on its own context only (greedy speculative decoding, which verifies its drafts as
-// one-token decodes, then gives the tokens of plain decoding on any number of threads). On one
-// thread, where it buys nothing, it costs a decode of a longer context some of its attention time
-// (benchmarks/attention_bench.py --layers 30, bf16: 16 x 512 and 1 x 512 about 8%, 1 x 1024 11%;
-// contexts up to 256 are not split).
-// Items are handed to torch's threads one at a time, largest first, so that long items do not
-// leave threads idle; a small step (kMinParallelCost) runs on the calling thread.
+// (attention_tile.h's products, whose rounding per row does not depend on the tile) over the
+// request's context packed once per step: each (request, kv head, chunk of keys) is copied from
+// the cache into the products' layouts by one task, before the tiles, whatever the number of
+// tiles that read it (a 2,000-token prompt has 32 tiles per kv head, which each copied their
+// chunks before). Over the blocks each keeps a flash-style online softmax (running max and sum
+// per row) in float32; a row sees keys at positions <= its own (the causal offset of a request
+// with a cached prefix: position = num_computed + index in the request's new tokens), and with a
+// sliding window only the last `sliding_window` of them. A decode of a context longer than
+// kSplitTokens is split over it into spans of kSplitTokens (items the threads share), merged
+// afterwards by their running max and sum: always, whatever the thread count and the step's
+// other requests, so that a decode's bits depend on its own context only (greedy speculative
+// decoding, which verifies its drafts as one-token decodes, then gives the tokens of plain
+// decoding on any number of threads). On one thread, where it buys nothing, it costs a decode of
+// a longer context some of its attention time (benchmarks/attention_bench.py --layers 30, bf16:
+// 16 x 512 and 1 x 512 about 8%, 1 x 1024 11%; contexts up to 256 are not split).
+// Threads: the packing tasks, then the items (largest first, so that long items do not leave
+// threads idle), are claimed one at a time by the calling thread and the work pool's helpers
+// (work_pool.h, the matmul kernels' pool, attached by kiln_x86.attention), or by torch's threads
+// where the pool has none; a small step (kMinParallelCost) runs on the calling thread. Which
+// thread runs an item never changes its bits.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -42,6 +49,7 @@
 #include "attention_decode.h"
 #include "attention_tile.h"
 #include "bf16.h"
+#include "work_pool.h"
 
 namespace {
 
@@ -64,7 +72,8 @@ inline int64_t chunk_keys(const Problem& p) {
 // Online softmax step of one row over scores s[0, n) (already scaled, -inf where masked, at
 // least one finite): updates the running max and sum, rescales the row's output, leaves the
 // probabilities in s.
-inline void softmax_step(float* s, int64_t n, float* m, float* l, float* orow, int64_t d) {
+// max(s[0, n)), 16 lanes at a time.
+inline float row_max(const float* s, int64_t n) {
   const int64_t n16 = n / 16 * 16;
   vf16 max16 = splat(kNegInf);
   for (int64_t j = 0; j < n16; j += 16) {
@@ -74,7 +83,12 @@ inline void softmax_step(float* s, int64_t n, float* m, float* l, float* orow, i
   float block_max = kNegInf;
   for (int i = 0; i < 16; ++i) block_max = std::max(block_max, max16[i]);
   for (int64_t j = n16; j < n; ++j) block_max = std::max(block_max, s[j]);
-  const float new_max = std::max(*m, block_max);
+  return block_max;
+}
+
+inline void softmax_step(float* s, int64_t n, float* m, float* l, float* orow, int64_t d) {
+  const int64_t n16 = n / 16 * 16;
+  const float new_max = std::max(*m, row_max(s, n));
   const float correction = exp_nonpositive(*m - new_max);  // 0 on the row's first keys
   vf16 sum16 = {};
   for (int64_t j = 0; j < n16; j += 16) {
@@ -92,6 +106,35 @@ inline void softmax_step(float* s, int64_t n, float* m, float* l, float* orow, i
   *l = *l * correction + sum;
   for (int64_t i = 0; i < d; ++i) orow[i] *= correction;
 }
+
+#if defined(KILN_X86_BF16_TILE)
+// softmax_step for a tile whose output product takes bf16 probabilities: n a multiple of 16; each
+// probability is rounded to bf16 (nearest even), the sum adds the rounded values, and the row's
+// n bf16 values are left at the start of its scores (s as uint16_t: value j at element j).
+inline void softmax_step_bf16(float* s, int64_t n, float* m, float* l, float* orow, int64_t d) {
+  const float new_max = std::max(*m, row_max(s, n));
+  const float correction = exp_nonpositive(*m - new_max);  // 0 on the row's first keys
+  vf16 sum16 = {};
+  auto* p16 = reinterpret_cast<uint16_t*>(s);
+  for (int64_t j = 0; j < n; j += 16) {
+    const vf16 e = exp_nonpositive16(load16(s + j) - new_max);
+    __m512 ev;
+    std::memcpy(&ev, &e, sizeof(ev));
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(ev);
+    // Written behind the reads: bytes [2 j, 2 j + 32) of s were read at element j / 2.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j), b);
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    vf16 r;
+    std::memcpy(&r, &back, sizeof(r));
+    sum16 += r;
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < 16; ++i) sum += sum16[i];
+  *m = new_max;
+  *l = *l * correction + sum;
+  for (int64_t i = 0; i < d; ++i) orow[i] *= correction;
+}
+#endif
 
 // One query token (rows: its `group` heads), head_size a multiple of 16: keys and values are
 // read from the cache blocks in place, 16 lanes at a time, widened to float32 in registers.
@@ -177,25 +220,29 @@ void attend_token(const Problem& p, const WorkItem& it, const T* query, const T*
   }
 }
 
-// A tile of query tokens (rows: token-major, then the group's heads): the keys are taken a chunk
-// of kChunkKeys at a time into per-thread buffers laid out for attention_tile.h's products (only
-// the tile's chunk is ever copied, never the request's whole context). Chunks start at multiples
-// of kChunkKeys, whatever the tile, and are padded to kKeyPad keys, so that each row sees the same
-// chunks, of the same width, in every tile it may fall in (the online softmax's sums, and so its
-// bits, depend on both).
+// A request's context for the tiles of one kv head, packed by pack_context: chunks of
+// chunk_keys(p) keys (ld with padding) from chunk `first_chunk`, `words` floats each.
+struct Context {
+  const float* base;
+  int64_t first_chunk, words, ld;
+};
+
+// A tile of query tokens (rows: token-major, then the group's heads) over its request's packed
+// context, a chunk of chunk_keys(p) keys at a time (attention_tile.h's products). Chunks start at
+// multiples of the chunk size, whatever the tile, and the products pad them to kKeyPad keys, so
+// each row sees the same chunks, of the same width, in every tile it may fall in (the online
+// softmax's sums, and so its bits, depend on both); padding keys, like keys past a row's
+// position, weigh exactly 0.
 template <typename T>
-void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
-                 const T* value_cache, Scratch& sc) {
+void attend_tile(const Problem& p, const WorkItem& it, const T* query, const Context& ctx,
+                 Scratch& sc) {
   using Operands = TileOperands<T>;
-  const int64_t d = p.head_size, dp = round_up(d, 16), bs = p.block_size, group = p.group;
+  const int64_t d = p.head_size, dp = round_up(d, 16), group = p.group;
   const int64_t num_tokens = it.token_end - it.token_begin;
   const int64_t rows = num_tokens * group, rows_pad = round_up(rows, kTileRows);
   const int64_t pos0 = p.seq_lens[it.req] - (p.query_start_loc[it.req + 1] - it.token_begin);
-  const int32_t* table = p.block_table + it.req * p.table_stride;
   const int64_t chunk = chunk_keys(p);
   float* q = sc.q;  // [rows_pad, dp]
-  float* kt = sc.k;  // [d, n_pad]
-  float* v = sc.v;  // [n_pad, dp]
   float* s = sc.s;  // [rows_pad, n_pad]
   float* o = sc.o;  // [rows_pad, dp]
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -212,20 +259,9 @@ void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* 
   const KeyRange range = key_range(p, it, pos0, num_tokens);
   for (int64_t c0 = range.lo / chunk * chunk; c0 < range.hi; c0 += chunk) {
     const int64_t c1 = std::min(range.hi, c0 + chunk);  // keys [c0, c1)
-    const int64_t n = c1 - c0, n_pad = round_up(n, kKeyPad);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t block = table[(c0 + j) / bs];
-      const int64_t offset = block * p.kv_stride_block + ((c0 + j) % bs) * p.kv_stride_slot +
-                             it.kv_head * p.kv_stride_head;
-      // Keys before `lo` (a sliding window's) are copied but masked below.
-      Operands::put_key(key_cache + offset, d, n_pad, j, kt);
-      float* vj = v + j * dp;
-      for (int64_t i = 0; i < d; ++i) vj[i] = to_float(value_cache[offset + i]);
-      std::fill(vj + d, vj + dp, 0.0f);
-    }
-    Operands::pad_keys(n, n_pad, d, kt);
-    std::fill(v + n * dp, v + n_pad * dp, 0.0f);
-    Operands::scores(q, rows_pad, d, dp, kt, n_pad, s);
+    const int64_t n_pad = round_up(c1 - c0, kKeyPad);
+    const float* packed = ctx.base + (c0 / chunk - ctx.first_chunk) * ctx.words;
+    Operands::scores(q, rows_pad, d, dp, packed, ctx.ld, n_pad, s);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = pos0 + r / group;
       int64_t lo = std::max(range.lo, c0);
@@ -240,9 +276,15 @@ void attend_tile(const Problem& p, const WorkItem& it, const T* query, const T* 
       std::fill(sr, sr + (lo - c0), kNegInf);
       for (int64_t j = lo - c0; j < hi - c0; ++j) sr[j] *= p.scale;
       std::fill(sr + (hi - c0), sr + n_pad, kNegInf);
+#if defined(KILN_X86_BF16_TILE)
+      if constexpr (Operands::kPairProbs) {
+        softmax_step_bf16(sr, n_pad, &sc.m[r], &sc.l[r], o + r * dp, dp);
+        continue;
+      }
+#endif
       softmax_step(sr, n_pad, &sc.m[r], &sc.l[r], o + r * dp, dp);
     }
-    output_product(s, rows_pad, n_pad, v, dp, o);
+    Operands::output(s, rows_pad, n_pad, packed, d, dp, ctx.ld, o);
   }
   if (dp != d) {  // rows back to write_rows' stride d (in place: each moves down)
     for (int64_t r = 1; r < rows; ++r) std::memmove(o + r * d, o + r * dp, d * sizeof(float));
@@ -261,13 +303,13 @@ inline bool uses_tile(const Problem& p, const WorkItem& it) {
 
 template <typename T>
 void attend(const Problem& p, const WorkItem& it, const T* query, const T* key_cache,
-            const T* value_cache, Scratch& sc) {
+            const T* value_cache, const Context& ctx, Scratch& sc) {
   if (!uses_tile(p, it)) {
     if (!decode_avx512<T>(p, it, query, key_cache, value_cache, sc)) {
       attend_token<T>(p, it, query, key_cache, value_cache, sc);
     }
   } else {
-    attend_tile<T>(p, it, query, key_cache, value_cache, sc);
+    attend_tile<T>(p, it, query, ctx, sc);
   }
 }
 
@@ -329,48 +371,144 @@ std::vector<WorkItem> plan(const Problem& p, int64_t num_reqs, int64_t num_threa
   return items;
 }
 
+// The running thread's buffers (torch's threads, the work pool's helpers, the caller), grown to
+// the largest item each has met.
+inline Scratch& thread_scratch() {
+  thread_local Scratch sc;
+  return sc;
+}
+
+// fn(i, scratch) once for every i in [0, n), in no given order: shared with the work pool's
+// helpers where it has any (one item at a time, from one counter), else over torch's threads,
+// else (or when `parallel` is false) on the calling thread. Each thread's scratch is reserved
+// for rows x dp query rows and `keys` keys first.
+template <typename Fn>
+void for_each_item(int64_t n, bool parallel, int64_t rows, int64_t dp, int64_t keys,
+                   const Fn& fn) {
+  auto scratch = [&]() -> Scratch& {
+    Scratch& sc = thread_scratch();
+    sc.reserve(rows, dp, keys);
+    return sc;
+  };
+  kiln_x86::WorkPool& pool = kiln_x86::WorkPool::instance();
+  if (parallel && n > 1 && pool.helpers() > 0) {
+    pool.run(n, [&](int64_t i) { fn(i, scratch()); });
+  } else if (parallel && n > 1 && at::get_num_threads() > 1) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      Scratch& sc = scratch();
+      for (int64_t i = next++; i < n; i = next++) fn(i, sc);
+    });
+  } else {
+    Scratch& sc = scratch();
+    for (int64_t i = 0; i < n; ++i) fn(i, sc);
+  }
+}
+
+// The packed contexts of the requests that tiles read (attention_tile.h's chunk layouts), one
+// per (request, kv head): chunks from the first one a tile of the request may see to the one
+// holding its last key, each packed once, however many tiles read it.
+struct PackedContexts {
+  std::vector<int64_t> first, count, offset;  // per request: first chunk, chunks, words offset
+  int64_t chunk = 0, ld = 0, words = 0;
+  float* data = nullptr;
+
+  Context at(int64_t req, int64_t kv_head) const {
+    return {data + offset[req] + kv_head * count[req] * words, first[req], words, ld};
+  }
+};
+
+// The step's packed contexts, filled (packing shared with the pool's helpers or torch's threads
+// where `parallel`), into a buffer kept for the next call.
+template <typename T>
+PackedContexts pack_contexts(const Problem& p, int64_t num_reqs, const std::vector<WorkItem>& items,
+                             const T* key_cache, const T* value_cache, bool parallel) {
+  using Operands = TileOperands<T>;
+  const int64_t d = p.head_size, dp = round_up(d, 16), bs = p.block_size;
+  PackedContexts pc;
+  pc.chunk = chunk_keys(p);
+  pc.ld = round_up(pc.chunk, kKeyPad);
+  pc.words = Operands::chunk_words(d, dp, pc.ld);
+  pc.first.assign(num_reqs, 0);
+  pc.count.assign(num_reqs, 0);
+  pc.offset.assign(num_reqs, 0);
+  for (const WorkItem& it : items) {
+    if (!uses_tile(p, it) || pc.count[it.req] > 0) continue;
+    const int64_t seq_len = p.seq_lens[it.req];
+    const int64_t computed = seq_len - (p.query_start_loc[it.req + 1] - p.query_start_loc[it.req]);
+    const int64_t lo =
+        p.sliding_window > 0 ? std::max<int64_t>(0, computed - p.sliding_window + 1) : 0;
+    pc.first[it.req] = lo / pc.chunk;
+    pc.count[it.req] = (seq_len + pc.chunk - 1) / pc.chunk - pc.first[it.req];
+  }
+  std::vector<std::array<int64_t, 3>> tasks;  // (request, kv head, chunk)
+  int64_t total = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    pc.offset[r] = total;
+    total += pc.count[r] * p.num_kv_heads * pc.words;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      for (int64_t c = 0; c < pc.count[r]; ++c) tasks.push_back({r, h, pc.first[r] + c});
+    }
+  }
+  if (total == 0) return pc;
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < total) buffer.resize(total);
+  pc.data = buffer.data();
+  for_each_item(static_cast<int64_t>(tasks.size()), parallel, 1, dp, 1, [&](int64_t i, Scratch&) {
+    const auto [r, h, c] = tasks[i];
+    const int32_t* table = p.block_table + r * p.table_stride;
+    const int64_t c0 = c * pc.chunk;
+    const int64_t n = std::min<int64_t>(p.seq_lens[r], c0 + pc.chunk) - c0;
+    auto offset = [&](int64_t j) {
+      const int64_t pos = c0 + j;
+      return table[pos / bs] * p.kv_stride_block + (pos % bs) * p.kv_stride_slot +
+             h * p.kv_stride_head;
+    };
+    float* dst = pc.data + pc.offset[r] + (h * pc.count[r] + c - pc.first[r]) * pc.words;
+    Operands::pack_chunk(key_cache, value_cache, offset, n, d, dp, pc.ld, dst);
+  });
+  return pc;
+}
+
 template <typename T>
 void run(const Problem& p, int64_t num_reqs, const T* query, const T* key_cache,
          const T* value_cache, T* out) {
-  const int64_t num_threads = at::get_num_threads();
+  const int64_t workers = 1 + std::max<int64_t>(kiln_x86::WorkPool::instance().helpers(),
+                                                at::get_num_threads() - 1);
   int64_t num_partials = 0;
   bool parallel = false;
-  const std::vector<WorkItem> items = plan(p, num_reqs, num_threads, &num_partials, &parallel);
+  const std::vector<WorkItem> items = plan(p, num_reqs, workers, &num_partials, &parallel);
   const int64_t d = p.head_size, group = p.group;
   // Split decodes' parts: unnormalized output [group, d], then max and sum [group] each.
   const int64_t partial_size = group * (d + 2);
   std::vector<float> partials(num_partials * partial_size);
+  const PackedContexts contexts =
+      pack_contexts(p, num_reqs, items, key_cache, value_cache, parallel);
 
   // Each thread's buffers fit the step's largest item: decode-only steps need little.
   int64_t max_tokens = 1;
   int64_t keys = p.block_size;
   for (const WorkItem& it : items) {
     max_tokens = std::max<int64_t>(max_tokens, it.token_end - it.token_begin);
-    if (uses_tile(p, it)) keys = std::max(keys, round_up(chunk_keys(p), kKeyPad));
+    if (uses_tile(p, it)) keys = std::max(keys, contexts.ld);
   }
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  auto worker = [&](int64_t, int64_t) {
-    // Tiles pad their rows and head size (attention_tile.h's layouts).
-    Scratch sc(round_up(max_tokens * group, kTileRows), round_up(d, 16), keys);
-    for (int64_t i = next++; i < num_items; i = next++) {
-      const WorkItem& it = items[i];
-      attend<T>(p, it, query, key_cache, value_cache, sc);
-      if (it.partial < 0) {
-        write_rows<T>(p, it, sc, out);
-        continue;
-      }
-      float* dst = partials.data() + it.partial * partial_size;
-      std::copy(sc.o, sc.o + group * d, dst);
-      std::copy(sc.m, sc.m + group, dst + group * d);
-      std::copy(sc.l, sc.l + group, dst + group * d + group);
-    }
-  };
-  if (num_items > 1 && parallel) {
-    at::parallel_for(0, num_threads, 1, worker);
-  } else {
-    worker(0, 1);
-  }
+  // Tiles pad their rows and head size (attention_tile.h's layouts).
+  const int64_t rows = round_up(max_tokens * group, kTileRows), dp = round_up(d, 16);
+  for_each_item(static_cast<int64_t>(items.size()), parallel, rows, dp, keys,
+                [&](int64_t i, Scratch& sc) {
+                  const WorkItem& it = items[i];
+                  const Context ctx =
+                      uses_tile(p, it) ? contexts.at(it.req, it.kv_head) : Context{};
+                  attend<T>(p, it, query, key_cache, value_cache, ctx, sc);
+                  if (it.partial < 0) {
+                    write_rows<T>(p, it, sc, out);
+                    return;
+                  }
+                  float* dst = partials.data() + it.partial * partial_size;
+                  std::copy(sc.o, sc.o + group * d, dst);
+                  std::copy(sc.m, sc.m + group, dst + group * d);
+                  std::copy(sc.l, sc.l + group, dst + group * d + group);
+                });
   if (num_partials == 0) return;
 
   // Merge each split decode's parts: weights exp(max_part - max_all), float32 throughout.
@@ -528,6 +666,7 @@ void paged_attention_update(const at::Tensor& out, const at::Tensor& query, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "paged attention over the KV cache in place (decodes, prefills, cached prefixes)");
+  kiln_x86::def_attach_pool(m);
   m.def("paged_attention_update", &paged_attention_update,
         "write the step's keys and values into the caches, then paged_attention");
 }

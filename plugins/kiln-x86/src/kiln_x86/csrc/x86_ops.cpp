@@ -1,9 +1,9 @@
 // kiln-x86 fused CPU kernels: add + RMSNorm, neox rotary embedding, SiLU-and-mul.
 //
-// Each kernel makes one pass over its rows (parallel over rows with at::parallel_for, so it runs
-// on torch's own OpenMP threads) and reproduces the rounding steps of the Python reference it
-// replaces (kiln.model_executor.layers.*.forward_native): float32 statistics, results rounded to
-// the input dtype where the reference rounds. Built with -ffp-contract=off so that float32
+// Each kernel makes one pass over its rows (parallel over rows: on the work pool's helpers where
+// it has any, else on torch's OpenMP threads; work_pool.h) and reproduces the rounding steps of
+// the Python reference it replaces (kiln.model_executor.layers.*.forward_native): float32
+// statistics, results rounded to the input dtype where the reference rounds. Built with -ffp-contract=off so that float32
 // products are not fused into FMAs the reference does not use.
 //
 // The ops are declared in the `kiln_x86` torch library (callable as torch.ops.kiln_x86.*, and so
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "work_pool.h"
 
 namespace {
 
@@ -75,7 +76,7 @@ std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<a
   T* sp = residual.has_value() ? sum.data_ptr<T>() : nullptr;
   float* qp = squares.data_ptr<float>();
   const int64_t xs = x2.stride(0), rs = residual.has_value() ? r2.stride(0) : 0;
-  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+  kiln_x86::parallel_range(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = xp + t * xs;
       float* q = qp + t * d;
@@ -102,7 +103,7 @@ std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<a
   const T* src = rp != nullptr ? sp : xp;
   const int64_t ss = rp != nullptr ? d : xs;
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+  kiln_x86::parallel_range(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float scale = 1.0f / std::sqrt(vp[t] + e);
       const T* xr = src + t * ss;
@@ -166,7 +167,8 @@ template <typename T>
 void rotary_kernel(const int64_t* pos, const T* cache, const T* x, T* out, int64_t tokens,
                    int64_t heads, int64_t head_dim, int64_t max_position) {
   const int64_t half = head_dim / 2;
-  at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_rows(heads * head_dim);
+  kiln_x86::parallel_range(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = pos[t];
       TORCH_CHECK(p >= 0 && p < max_position, "position ", p, " is outside the rotary cache (",
@@ -244,4 +246,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "add + RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key");
+  kiln_x86::def_attach_pool(m);
 }
