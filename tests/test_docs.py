@@ -135,6 +135,12 @@ def test_pages_are_found() -> None:
     assert {"README.md", "docs/index.md", "docs/results.md", "docs/x86/results.md"} <= names
 
 
+def test_every_fence_is_closed() -> None:
+    # An unclosed fence swallows the rest of the page (and hides its links from these checks).
+    odd = [rel(p) for p in PAGES if len(re.findall(r"^ *```", p.read_text(), re.MULTILINE)) % 2]
+    assert not odd, f"a code fence is not closed in {odd}"
+
+
 def test_every_relative_link_resolves() -> None:
     broken = broken_links(PAGES)
     assert not broken, "broken links:\n" + "\n".join(broken)
