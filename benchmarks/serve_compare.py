@@ -27,6 +27,10 @@ and Kiln's ratios to each peer.
   llama.cpp, dense ``--dtype`` ones for vLLM), and the fraction of it each engine reached.
 
     .venv/bin/python benchmarks/serve_compare.py [--engines kiln,vllm,llama] [--json-out FILE]
+        [--results-md docs/results.md]
+
+``--results-md`` inserts the run's two tables into that results page as a dated section, with
+the machine, the command and the commit (``kiln.bench.results_md``).
 
 Takes 15-25 minutes on 2 cores once the peers are installed (vLLM compiles for ~2 minutes at
 start). Run it on an idle machine:
@@ -48,6 +52,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from kiln.bench.results_md import describe_machine, format_section, git_commit, insert_section
 from kiln.bench.roofline import Machine, ModelShape, measure_machine, workload_bound
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -402,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-args", default="", help="extra `llama-server` flags")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp folder)")
     parser.add_argument("--json-out", default=None, help="also write every result here")
+    parser.add_argument(
+        "--results-md",
+        default=None,
+        help="also insert this run's tables, dated, with the machine and the command, into this "
+        "results page (docs/results.md), below its serve_compare.py marker line",
+    )
     args = parser.parse_args(argv)
     try:
         args.workloads = parse_workloads(args.workloads)
@@ -471,18 +482,32 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.dtype} for Kiln and vLLM; {ncpu} cores, load average "
         f"{os.getloadavg()[0]:.2f} before the run"
     )
+    machine_before = describe_machine()
     machine = measure_machine()  # before any engine starts: the machine idle
     print(f"this machine: {machine.describe()}")
     results = {engine.name: bench_engine(engine, args, log_dir) for engine in plan}
+    report = format_report(results, args.workloads)
+    roofline = format_roofline(results, args.workloads, machine, engine_models(engines, args.dtype))
     print()
-    print(format_report(results, args.workloads))
+    print(report)
     print()
-    print(format_roofline(results, args.workloads, machine, engine_models(engines, args.dtype)))
+    print(roofline)
+    if args.results_md:
+        argv_shown = sys.argv[1:] if argv is None else argv
+        section = format_section(
+            "serve_compare.py",
+            shlex.join(["benchmarks/serve_compare.py", *argv_shown]),
+            f"{machine_before} before the run; {machine.describe()}",
+            [report, roofline],
+            git_commit(REPO),
+        )
+        insert_section(args.results_md, "serve_compare.py", section)
+        print(f"\nresults inserted into {args.results_md}")
     if args.json_out:
         settings = {**vars(args), "workloads": [w.label for w in args.workloads]}
-        roofline = {"bandwidth_gbs": machine.bandwidth_gbs, "peak_gflops": machine.peak_gflops}
+        bounds = {"bandwidth_gbs": machine.bandwidth_gbs, "peak_gflops": machine.peak_gflops}
         with open(args.json_out, "w") as f:
-            json.dump({"settings": settings, "machine": roofline, "results": results}, f, indent=2)
+            json.dump({"settings": settings, "machine": bounds, "results": results}, f, indent=2)
         print(f"\nresults written to {args.json_out}")
     return 0
 

@@ -16,7 +16,8 @@ output tokens per second of the calling thread's CPU time over all rounds, which
 processes barely moves where the model runs on that thread, as with one model thread), the
 acceptance rate and mean accepted length, and how many answers are identical (greedy is token
 for token the same up to numerics: a verification step computes several tokens of a request in
-one step, and an attention kernel may round a query row differently then; see the README).
+one step, and an attention kernel may round a query row differently then; see
+docs/speculative-decoding.md).
 
     .venv/bin/python benchmarks/speculative.py [--num-speculative-tokens 4]
         [--prompt-lookup-max 4] [--max-tokens 192] [--repeats 2] [--dtype auto]

@@ -94,7 +94,7 @@ def _plugin_register(registry, scale, factor=2.0):
     def scaled(op, x):
         return x * factor
 
-    # The README's pattern: a lambda predicate written inside register().
+    # docs/platforms.md's pattern: a lambda predicate written inside register().
     registry.register_impl(
         "my_op", "my_kernels", device_type="npu", priority=10, supports=lambda op, x: x.ndim == 2
     )(_impl)

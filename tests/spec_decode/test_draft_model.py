@@ -125,7 +125,7 @@ def test_sampled_requests_with_the_target_as_draft_accept_nearly_all(spec_self: 
 
 def test_seeded_sampled_requests_repeat(spec: LLM) -> None:
     """The same seeds and prompts give the same tokens again: the draft draws with the request's
-    generator too (see the README on what seeds promise with speculation)."""
+    generator too (see docs/speculative-decoding.md on what seeds promise)."""
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=5 + i, max_tokens=24, ignore_eos=True)
         for i in range(4)

@@ -188,10 +188,11 @@ def test_tiny_model_greedy_and_preemption_while_speculating(tiny_folder: str) ->
 
 
 def test_seeded_sampled_requests_repeat_with_the_same_config(tiny_folder: str) -> None:
-    """What Kiln promises for seeded sampled requests that speculate (the README): the same
-    seed, prompt and config give the same tokens again (in another engine too). Not promised,
-    as in vLLM: the tokens of no speculation (the rejection sampler draws otherwise; the
-    distribution is the same, see test_sampled_distribution.py)."""
+    """What Kiln promises for seeded sampled requests that speculate
+    (docs/speculative-decoding.md): the same seed, prompt and config give the same tokens again
+    (in another engine too). Not promised, as in vLLM: the tokens of no speculation (the
+    rejection sampler draws otherwise; the distribution is the same, see
+    test_sampled_distribution.py)."""
     common = dict(dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory=0.05)
     config = NGRAM | {"prompt_lookup_min": 1}
     first_llm = LLM(tiny_folder, speculative_config=config, **common)

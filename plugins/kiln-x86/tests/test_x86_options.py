@@ -43,9 +43,9 @@ def test_invalid_values_name_the_field_and_what_is_allowed(values, message):
 
 def test_defaults_on_two_cores_run_the_model_on_one_thread():
     # Below 4 cores nothing is reserved for the API server, and the model takes one thread
-    # (the README has the measurements), prefill steps too, with a matmul helper on the other
-    # core; asked for, it takes both, for every step (no core left for a helper) or for prefill
-    # steps only (the pool then has both, pinned).
+    # (docs/x86/threads.md has the measurements), prefill steps too, with a matmul helper on the
+    # other core; asked for, it takes both, for every step (no core left for a helper) or for
+    # prefill steps only (the pool then has both, pinned).
     assert plan_binding(X86Options(), "engine", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
     assert plan_binding(X86Options(), "api", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
     assert plan_binding(X86Options(), "offline", [0, 1]) == BindingPlan(1, 1, (0,), (), (1,))
@@ -139,7 +139,8 @@ print(current_platform.name, current_platform.options(config).num_threads)
     ],
 )
 def test_the_reference_platforms_thread_flag_still_works(sections, expected):
-    # README's `--plugin-config '{"cpu": {"num_threads": N}}'`; x86's own field wins when given.
+    # docs/models.md's `--plugin-config '{"cpu": {"num_threads": N}}'`; x86's own field wins when
+    # given.
     proc = run_python(["-c", CPU_SECTION_ALIAS.replace("{SECTIONS}", repr(sections))])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == expected.split()

@@ -34,7 +34,7 @@ USABLE_CPUS_ENV = "KILN_X86_USABLE_CPUS"
 
 SMALL_MACHINE_CORES = 4
 """Below this many usable cores no core is reserved for the API server by default, and the model
-runs on one thread: measured on 2 cores with the int8 kernels (README, "Thread binding"), a
+runs on one thread: measured on 2 cores with the int8 kernels (docs/x86/threads.md), a
 second model thread made decode slower (each of a step's ~250 small parallel regions waits for
 it) and left no core for the API server's streaming."""
 

@@ -4,7 +4,7 @@
 
 Why: at decode sizes the op is a few hundred thousand multiply-adds a layer, and the reference's
 three ATen calls (shrink, mask, expand) each wake and join torch's OpenMP team; on a shared,
-loaded machine those joins cost more than the work (see the README's LoRA figures). Larger
+loaded machine those joins cost more than the work (docs/x86/results.md, "LoRA kernel"). Larger
 batches (prefills) run the reference, whose matmuls are blocked and parallel.
 
 ``register_x86_lora()`` registers it under provider ``kiln_x86`` for float32 and bfloat16 CPU

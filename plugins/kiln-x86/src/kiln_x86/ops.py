@@ -14,7 +14,8 @@ conformance kit compares each with ``forward_native``.
 ``register_x86_ops()`` registers the C++ kernels (``kiln_x86.kernels``) under provider
 ``kiln_x86``, for float32 and bfloat16 CPU tensors; where they cannot be built nothing is
 registered and the reference runs. The ``*_torch`` functions are the torch-only alternatives that
-``benchmarks/ops_bench.py`` measured against them (see the README for why the C++ kernels won).
+``benchmarks/ops_bench.py`` measured against them (why the C++ kernels won: docs/x86/results.md,
+"Fused ops").
 
 Eager calls go straight to the pybind functions (no dispatcher); in a graph being captured
 (``is_capturing()``: ``torch.compile`` or ``torch.jit.trace``, ``kiln_x86.graph``) the same

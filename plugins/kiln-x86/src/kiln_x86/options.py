@@ -45,7 +45,7 @@ class X86Options:
     """Threads for a step that computes at least ``min_prefill_tokens`` tokens (a wave of new
     prompts), whose matmuls are long enough to pay for waking more threads; e.g. 2 on an idle
     2-core machine. Default: ``num_threads`` (measured on a 2-core machine shared with other
-    work, a second thread made such steps several times slower: README, "Thread binding").
+    work, a second thread made such steps several times slower: docs/x86/threads.md).
     Results do not depend on it (every kernel computes a row the same way on any thread
     count)."""
     min_prefill_tokens: int = 256

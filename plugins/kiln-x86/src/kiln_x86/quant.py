@@ -62,7 +62,8 @@ SUPPORTED_TYPES = (
     GGMLQuantizationType.Q6_K,
 )
 
-# Rows up to which matmul runs the C++ kernel; above, dequantize + dense GEMM (measured: README).
+# Rows up to which matmul runs the C++ kernel; above, dequantize + dense GEMM (measured:
+# docs/x86/results.md).
 MAX_KERNEL_ROWS = 8
 # Rows up to which groups of 32 (all but Q6_K) run the row layout's int8 kernel where it is built
 # (AVX512-VNNI: activations rounded to int8 per block of 32, integer dot products), when a caller

@@ -73,7 +73,7 @@ def capture_patched(self: Any, num_tokens: Any) -> None:
 def register_all(patch_kind: str | None) -> None:
     OP_REGISTRY.register_op("kiln_test_scale")(ScaleOp)
     # float32 inputs only: the predicate lets other dtypes fall through to the next provider.
-    # A lambda, as the README writes it: each run of register() makes a new one.
+    # A lambda, as docs/platforms.md writes it: each run of register() makes a new one.
     OP_REGISTRY.register_impl(
         "kiln_test_scale",
         "kiln_test_fast",
