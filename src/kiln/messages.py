@@ -56,6 +56,23 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     sampled_token_ranks: list[int]
     """[N] rank of column 0's token in the distribution (1 = most likely)."""
 
+    def slice(self, start: int, stop: int) -> LogprobsLists:
+        """Positions ``start .. stop - 1``."""
+        return LogprobsLists(
+            self.logprob_token_ids[start:stop],
+            self.logprobs[start:stop],
+            self.sampled_token_ranks[start:stop],
+        )
+
+    @classmethod
+    def concat(cls, parts: list[LogprobsLists]) -> LogprobsLists:
+        """The positions of ``parts``, one after the other."""
+        return cls(
+            [row for part in parts for row in part.logprob_token_ids],
+            [row for part in parts for row in part.logprobs],
+            [rank for part in parts for rank in part.sampled_token_ranks],
+        )
+
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str

@@ -11,17 +11,49 @@ scheduler knows of them:
 - the running requests' tokens go out with the step (``input_token_ids``, into
   ``CachedRequestData.new_token_ids``) for the stages that do not sample.
 
+Without a pipeline the scheduler holds ``SingleBatch``, the null object: nothing is ever in
+flight and a batch takes up to ``max_num_seqs`` requests.
+
 This module knows nothing about blocks, budgets or tensors: request ids and token ids only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
+from kiln.messages import CachedRequestData
 from kiln.scheduler.request import Request
 
 
-class InFlightBatches:
+class SingleBatch:
+    """No pipeline: one batch at a time, so none in flight while scheduling."""
+
+    in_flight: AbstractSet[str] = frozenset()
+    """Requests in a batch that ``update_from_output`` has not applied: none."""
+
+    def max_num_batch_reqs(self, num_unfinished: int, max_num_seqs: int) -> int:
+        """The most requests one batch takes: ``max_num_seqs``."""
+        return max_num_seqs
+
+    def victim_index(self, running: list[Request], req_index: int) -> int:
+        """Where in ``running`` the next request to preempt is: the last."""
+        return -1
+
+    def start(self, request_ids: Iterable[str]) -> None:
+        """A batch of ``request_ids`` is scheduled."""
+
+    def finish(self, request_ids: Iterable[str]) -> None:
+        """The batch of ``request_ids`` is applied."""
+
+    def add_input_tokens(
+        self, cached: CachedRequestData, request: Request, num_new_tokens: int
+    ) -> None:
+        """Nothing: every rank that runs the step samples (``CachedRequestData.new_token_ids``
+        stays empty)."""
+
+
+class InFlightBatches(SingleBatch):
     """The requests of the batches of a pipeline of ``num_stages`` stages that are scheduled and
     not yet applied."""
 
@@ -31,9 +63,9 @@ class InFlightBatches:
         self.in_flight: set[str] = set()
         """Requests in a batch that ``update_from_output`` has not applied."""
 
-    def max_num_batch_reqs(self, num_unfinished: int) -> int:
+    def max_num_batch_reqs(self, num_unfinished: int, max_num_seqs: int) -> int:
         """The most requests one batch takes: a stage's share of ``num_unfinished`` (running
-        and waiting), at least 1."""
+        and waiting), at least 1 (admission still holds ``max_num_seqs`` running)."""
         return max(1, -(-num_unfinished // self.num_stages))
 
     def victim_index(self, running: list[Request], req_index: int) -> int:
@@ -56,6 +88,13 @@ class InFlightBatches:
     def finish(self, request_ids: Iterable[str]) -> None:
         """The batch of ``request_ids`` is applied: they may be scheduled again."""
         self.in_flight.difference_update(request_ids)
+
+    def add_input_tokens(
+        self, cached: CachedRequestData, request: Request, num_new_tokens: int
+    ) -> None:
+        """The running request's next ``num_new_tokens`` tokens go out with the step, for the
+        stages that do not sample."""
+        cached.new_token_ids.append(input_token_ids(request, num_new_tokens))
 
 
 def input_token_ids(request: Request, num_new_tokens: int) -> list[int]:

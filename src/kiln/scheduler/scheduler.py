@@ -12,8 +12,11 @@ Each ``schedule()`` hands out ``{request_id: num_new_tokens}`` under ``max_num_b
    compute. A prompt longer than the remaining budget is split over steps (chunked prefill); with
    ``enable_chunked_prefill=False`` it waits for a step with room instead, unless it is longer than
    the whole budget, which it could never get: then it is split anyway.
-   With LoRA, a request for an adapter that no running request uses waits (and holds back the
-   queue behind it) while ``lora.max_loras`` other adapters run: a step fits that many slots.
+   Admission rules the scheduler composes (``kiln.scheduler.admission``) may hold the head of
+   the queue back (and the queue behind it) or keep it from prefix-cache hits: with LoRA, a
+   request for an adapter that no running request uses waits while ``lora.max_loras`` other
+   adapters run (a step fits that many slots); a request that asked for prompt logprobs
+   recomputes its cached prefix.
 
 ``update_from_output()`` advances ``num_computed_tokens`` by what was scheduled, appends sampled
 tokens and checks stops in this order: EOS (unless ``ignore_eos``), ``stop_token_ids`` (both only
@@ -42,6 +45,7 @@ writes the keys and values of its next drafts (``num_lookahead_tokens``, as vLLM
 Pipeline parallelism (``parallel.pipeline_parallel_size > 1``): batches in flight and
 micro-batches (``kiln.scheduler.pipeline``): a request in a batch in flight (``in_flight``) is
 neither scheduled again nor preempted until ``update_from_output`` has applied that batch.
+Without a pipeline the scheduler holds the null ``SingleBatch``: nothing is in flight.
 
 A request that can never fit (``num_prompt_tokens + 1 > max_model_len``, where ``max_model_len`` is
 capped by the whole cache's capacity) is not queued: it finishes as FINISHED_IGNORED (finish reason
@@ -57,6 +61,8 @@ import bisect
 import logging
 import time
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from itertools import count
 
 from kiln.config import KilnConfig
@@ -65,22 +71,44 @@ from kiln.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
-    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
+from kiln.scheduler.admission import AdmissionRule, LoRASlots, PromptLogprobsPrefix
 from kiln.scheduler.grammar_waitlist import GrammarWaitlist, grammar_bitmask
 from kiln.scheduler.interface import SchedulerInterface
 from kiln.scheduler.kv_cache.manager import KVCacheManager
-from kiln.scheduler.pipeline import InFlightBatches, input_token_ids
+from kiln.scheduler.pipeline import InFlightBatches, SingleBatch
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.structured_output import StructuredOutputManager
 from kiln.structured_output.manager import grammar_failure, valid_drafts
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepBuilder:
+    """The step ``schedule()`` is building."""
+
+    token_budget: int
+    """Tokens this step may still compute."""
+    max_num_batch_reqs: int
+    """Most requests this step takes (a pipeline stage's share; else ``max_num_seqs``)."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_preempted: int = 0
+
+    def has_room_for_another(self) -> bool:
+        return self.token_budget > 0 and len(self.num_scheduled_tokens) < self.max_num_batch_reqs
+
+    def schedule(self, request_id: str, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
 
 
 class Scheduler(SchedulerInterface):
@@ -96,8 +124,6 @@ class Scheduler(SchedulerInterface):
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
-        self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
-        """Most distinct LoRA adapters among running requests (0: LoRA off)."""
         self.num_lookahead_tokens = config.speculative.num_lookahead_tokens
         """KV slots allocated after a request's scheduled tokens (a draft model's drafts)."""
         self.block_size = config.cache.block_size
@@ -139,14 +165,18 @@ class Scheduler(SchedulerInterface):
         self.pipeline = (
             InFlightBatches(self.pipeline_parallel_size)
             if self.pipeline_parallel_size > 1
-            else None
+            else SingleBatch()
         )
-        """Pipelined only: the batches in flight."""
+        """The batches in flight (``SingleBatch``: none, without a pipeline)."""
+        self.admission_rules: list[AdmissionRule] = [PromptLogprobsPrefix()]
+        """What each waiting request must pass to start (``kiln.scheduler.admission``)."""
+        if config.lora.enable_lora:
+            self.admission_rules.append(LoRASlots(config.lora.max_loras))
 
     @property
-    def in_flight(self) -> set[str]:
+    def in_flight(self) -> AbstractSet[str]:
         """Requests in a batch that ``update_from_output`` has not applied (pipelined only)."""
-        return self.pipeline.in_flight if self.pipeline else set()
+        return self.pipeline.in_flight
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -228,91 +258,108 @@ class Scheduler(SchedulerInterface):
         Side effects: allocates blocks; may preempt running requests; moves admitted requests
         from waiting to running; clears ``finished_req_ids`` into the output.
         """
-        if self.waiting_for_grammar:
-            self._admit_ready_grammars()
-        kv = self.kv_cache_manager
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        cached_reqs = CachedRequestData()
-        new_reqs: list[NewRequestData] = []
-        num_preempted = 0
-        spec_tokens: dict[str, list[int]] = {}
-
-        running = self.running
-        pipeline = self.pipeline
-        in_flight = pipeline.in_flight if pipeline else None
-        max_num_batch_reqs = (
-            pipeline.max_num_batch_reqs(len(running) + len(self.waiting))
-            if pipeline
-            else self.max_num_seqs
+        self._admit_ready_grammars()
+        num_unfinished = len(self.running) + len(self.waiting)
+        step = _StepBuilder(
+            self.max_num_batched_tokens,
+            self.pipeline.max_num_batch_reqs(num_unfinished, self.max_num_seqs),
         )
+        self._schedule_running(step)
+        # A step that preempted is short of blocks: admitting now would only thrash.
+        if not step.num_preempted:
+            self._schedule_waiting(step)
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        self.pipeline.start(step.num_scheduled_tokens)
+        grammar_req_ids, bitmask = grammar_bitmask(
+            self.structured_output_manager,
+            self.requests,
+            step.num_scheduled_tokens,
+            step.spec_tokens,
+            self._grammar_errors,
+        )
+        return SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
+            finished_req_ids=finished_req_ids,
+            structured_output_request_ids=grammar_req_ids,
+            grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+        )
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """Running requests first, in scheduling order: a decode gets 1 token (and its drafts),
+        a partial prefill the rest of its prompt up to the budget; preempts from the end when
+        blocks run out."""
+        running, in_flight = self.running, self.pipeline.in_flight
         req_index = 0
-        while (
-            req_index < len(running)
-            and token_budget > 0
-            and len(num_scheduled_tokens) < max_num_batch_reqs
-        ):
+        while req_index < len(running) and step.has_room_for_another():
             request = running[req_index]
-            if in_flight and request.request_id in in_flight:
+            if request.request_id in in_flight:
                 req_index += 1  # its tokens are not back yet
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if drafts:
-                drafts = drafts[: self._max_num_drafts(request, token_budget)]
+                drafts = drafts[: self._max_num_drafts(request, step.token_budget)]
                 num_new_tokens += len(drafts)
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = min(num_new_tokens, step.token_budget)
             assert num_new_tokens > 0, request
-            lookahead = self._num_lookahead(request.num_computed_tokens + num_new_tokens)
-            while (
-                new_block_ids := kv.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=lookahead
-                )
-            ) is None:
-                victim = running.pop(pipeline.victim_index(running, req_index) if pipeline else -1)
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is request:
-                    break
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, req_index, step)
             if new_block_ids is None:
-                break
-            cached_reqs.req_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-            if pipeline:
-                cached_reqs.new_token_ids.append(input_token_ids(request, num_new_tokens))
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+                break  # it preempted itself
+            cached = step.cached_reqs
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            self.pipeline.add_input_tokens(cached, request, num_new_tokens)
+            step.schedule(request.request_id, num_new_tokens)
             if drafts:
-                spec_tokens[request.request_id] = drafts
-            token_budget -= num_new_tokens
+                step.spec_tokens[request.request_id] = drafts
             req_index += 1
 
-        # A step that preempted is short of blocks: admitting now would only thrash.
-        waiting = self.waiting
-        running_loras = self._running_loras()
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, req_index: int, step: _StepBuilder
+    ) -> list[int] | None:
+        """Slots for a running request's ``num_new_tokens``, preempting the running request that
+        sorts last (not in flight) until they fit; None when ``request`` preempted itself."""
+        lookahead = self._num_lookahead(request.num_computed_tokens + num_new_tokens)
+        running = self.running
         while (
-            not num_preempted
-            and waiting
-            and token_budget > 0
-            and len(running) < self.max_num_seqs
-            and len(num_scheduled_tokens) < max_num_batch_reqs
-        ):
+            new_block_ids := self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=lookahead
+            )
+        ) is None:
+            victim = running.pop(self.pipeline.victim_index(running, req_index))
+            self._preempt(victim)
+            step.num_preempted += 1
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Then waiting requests in scheduling order while the budget, ``max_num_seqs``, free
+        blocks and every admission rule allow; the first that cannot start holds back the
+        queue behind it."""
+        kv, waiting, rules = self.kv_cache_manager, self.waiting, self.admission_rules
+        for rule in rules:
+            rule.begin_step(self.running)
+        while waiting and step.has_room_for_another() and len(self.running) < self.max_num_seqs:
             request = waiting.peek()
-            lora = request.lora_request
-            if lora is not None and len(running_loras | {lora.lora_int_id}) > self.max_loras:
-                break  # Every adapter slot is taken by running requests.
+            if not all(rule.can_admit(request) for rule in rules):
+                break
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            if request.sampling_params.prompt_logprobs is not None and num_hit_tokens:
-                # Prompt logprobs need logits at every prompt position: recompute the prefix.
+            if num_hit_tokens and not all(rule.may_reuse_prefix(request) for rule in rules):
                 hit_blocks, num_hit_tokens = [], 0
             num_new_tokens = request.num_tokens - num_hit_tokens
-            if num_new_tokens > token_budget:
+            if num_new_tokens > step.token_budget:
                 if (
                     not self.enable_chunked_prefill
                     and num_new_tokens <= self.max_num_batched_tokens
                 ):
                     break  # Fits a later step whole.
-                num_new_tokens = token_budget
+                num_new_tokens = step.token_budget
             lookahead = self._num_lookahead(num_hit_tokens + num_new_tokens)
             block_ids = kv.allocate_slots(
                 request, num_new_tokens, num_hit_tokens, hit_blocks, lookahead
@@ -320,56 +367,31 @@ class Scheduler(SchedulerInterface):
             if block_ids is None:
                 break
             waiting.pop()
-            request_id = request.request_id
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:  # first scheduled (not resumed)
-                request.num_cached_tokens = num_hit_tokens
-                request.scheduled_time = time.time()
-            keys = self._keys
-            bisect.insort(running, request, key=lambda r: keys[r.request_id])
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=block_ids,
-                    num_computed_tokens=num_hit_tokens,
-                    lora_request=lora,
-                )
-            )
-            if lora is not None:
-                running_loras.add(lora.lora_int_id)
-            num_scheduled_tokens[request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            step.new_reqs.append(self._start_running(request, block_ids, num_hit_tokens))
+            for rule in rules:
+                rule.admit(request)
+            step.schedule(request.request_id, num_new_tokens)
 
-        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        if pipeline:
-            pipeline.start(num_scheduled_tokens)
-        grammar_req_ids, bitmask = grammar_bitmask(
-            self.structured_output_manager,
-            self.requests,
-            num_scheduled_tokens,
-            spec_tokens,
-            self._grammar_errors,
+    def _start_running(
+        self, request: Request, block_ids: list[int], num_hit_tokens: int
+    ) -> NewRequestData:
+        """Move an admitted request into ``running``; what the runner gets of it."""
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:  # first scheduled (not resumed)
+            request.num_cached_tokens = num_hit_tokens
+            request.scheduled_time = time.time()
+        keys = self._keys
+        bisect.insort(self.running, request, key=lambda r: keys[r.request_id])
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=num_hit_tokens,
+            lora_request=request.lora_request,
         )
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
-            finished_req_ids=finished_req_ids,
-            structured_output_request_ids=grammar_req_ids,
-            grammar_bitmask=bitmask,
-            scheduled_spec_decode_tokens=spec_tokens,
-        )
-
-    def _running_loras(self) -> set[int]:
-        """The adapter ids of the running requests (each holds one of ``max_loras`` slots)."""
-        if not self.max_loras:
-            return set()
-        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -389,63 +411,17 @@ class Scheduler(SchedulerInterface):
             self._grammar_errors.clear()
         outputs = list(self._ignored.values())
         self._ignored.clear()
-        sampled_token_ids = model_runner_output.sampled_token_ids
-        req_id_to_index = model_runner_output.req_id_to_index
-        logprobs = model_runner_output.logprobs
-        prompt_logprobs = model_runner_output.prompt_logprobs_dict
-        num_finished = 0
-        if self.pipeline:
-            self.pipeline.finish(scheduler_output.num_scheduled_tokens)
+        self.pipeline.finish(scheduler_output.num_scheduled_tokens)
+        has_finished = False
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += num_tokens
-            index = req_id_to_index.get(request_id)
-            if index is None or request.num_computed_tokens < request.num_tokens:
-                continue  # A partial prefill chunk samples nothing.
-            new_token_ids = sampled_token_ids[index]
-            if not new_token_ids:
-                continue
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
-            if drafts:
-                self._take_back_rejected(request, len(drafts), len(new_token_ids))
-            is_first_output = request.num_output_tokens == 0
-            # A prefill recomputed after a preemption computes prompt logprobs again: sent once.
-            prompt = prompt_logprobs.get(request_id) if is_first_output else None
-            is_stopped = False
-            for i, token_id in enumerate(new_token_ids):
-                request.output_token_ids.append(token_id)
-                if request.matcher is not None and not self._accept(request, token_id):
-                    break  # its grammar raised: failed below, before it can stop
-                if is_stopped := request.check_stop(self.max_model_len):
-                    new_token_ids = new_token_ids[: i + 1]
-                    break
-            if request_id in self._grammar_errors:
-                continue  # failed below, with no output of this step's tokens
-            new_logprobs = logprobs.get(request_id)
-            if new_logprobs is not None and len(new_logprobs.logprobs) > len(new_token_ids):
-                new_logprobs = _first_rows(new_logprobs, len(new_token_ids))
-            if not is_stopped and model_runner_output.spec_token_ids:
-                request.spec_token_ids = self._next_drafts(
-                    request, model_runner_output.spec_token_ids[index]
-                )
-            outputs.append(
-                EngineCoreOutput(
-                    request_id,
-                    new_token_ids,
-                    new_logprobs=new_logprobs,
-                    new_prompt_logprobs=prompt,
-                    finish_reason=request.get_finished_reason() if is_stopped else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    scheduled_time=request.scheduled_time if is_first_output else 0.0,
-                )
-            )
-            if is_stopped:
-                self._free_request(request)
-                num_finished += 1
-        if num_finished:
+            output = self._apply_step(request, num_tokens, scheduler_output, model_runner_output)
+            if output is not None:
+                outputs.append(output)
+                has_finished |= request.status != RequestStatus.RUNNING
+        if has_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if self._grammar_errors:  # raised by a grammar while taking this step's tokens
             self._fail_requests(self._grammar_errors)
@@ -455,6 +431,67 @@ class Scheduler(SchedulerInterface):
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )
+
+    def _apply_step(
+        self,
+        request: Request,
+        num_tokens: int,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+    ) -> EngineCoreOutput | None:
+        """Apply the step to one running request that it scheduled ``num_tokens``: its output,
+        or None when it got no token (a partial prefill chunk) or its grammar raised (failed by
+        the caller). Side effects: advances and appends; frees it when it stopped."""
+        request.num_computed_tokens += num_tokens
+        request_id = request.request_id
+        index = model_runner_output.req_id_to_index.get(request_id)
+        if index is None or request.num_computed_tokens < request.num_tokens:
+            return None  # A partial prefill chunk samples nothing.
+        new_token_ids = model_runner_output.sampled_token_ids[index]
+        if not new_token_ids:
+            return None
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+        if drafts:
+            self._take_back_rejected(request, len(drafts), len(new_token_ids))
+        is_first_output = request.num_output_tokens == 0
+        # A prefill recomputed after a preemption computes prompt logprobs again: sent once.
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        prompt = prompt_logprobs.get(request_id) if is_first_output else None
+        new_token_ids, is_stopped = self._append_tokens(request, new_token_ids)
+        if request_id in self._grammar_errors:
+            return None  # failed by the caller, with no output of this step's tokens
+        new_logprobs = model_runner_output.logprobs.get(request_id)
+        if new_logprobs is not None and len(new_logprobs.logprobs) > len(new_token_ids):
+            new_logprobs = new_logprobs.slice(0, len(new_token_ids))
+        if not is_stopped and model_runner_output.spec_token_ids:
+            request.spec_token_ids = self._next_drafts(
+                request, model_runner_output.spec_token_ids[index]
+            )
+        output = EngineCoreOutput(
+            request_id,
+            new_token_ids,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=prompt,
+            finish_reason=request.get_finished_reason() if is_stopped else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            scheduled_time=request.scheduled_time if is_first_output else 0.0,
+        )
+        if is_stopped:
+            self._free_request(request)
+        return output
+
+    def _append_tokens(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append the step's tokens to ``request`` up to a stop; advances its grammar. Returns
+        the tokens taken and whether it stopped (not when its grammar raised: see
+        ``_accept``)."""
+        for i, token_id in enumerate(new_token_ids):
+            request.output_token_ids.append(token_id)
+            if request.matcher is not None and not self._accept(request, token_id):
+                break  # its grammar raised: failed by the caller, before it can stop
+            if request.check_stop(self.max_model_len):
+                return new_token_ids[: i + 1], True
+        return new_token_ids, False
 
     def make_stats(self) -> SchedulerStats:
         """Current counts, plus prefix-cache and preemption numbers since the last call."""
@@ -478,6 +515,8 @@ class Scheduler(SchedulerInterface):
     def _admit_ready_grammars(self) -> None:
         """Queue the requests whose grammar compiled; finish those whose compile failed or ran
         past ``max_compile_seconds`` with finish reason "error" (the message in ``stop_reason``)."""
+        if not self.waiting_for_grammar:
+            return
         is_idle = not self.running and not self.waiting
         ready, failed = self.waiting_for_grammar.take_done(is_idle)
         for request in ready:
@@ -583,12 +622,3 @@ class Scheduler(SchedulerInterface):
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)
-
-
-def _first_rows(lists: LogprobsLists, num_rows: int) -> LogprobsLists:
-    """The logprobs of the first ``num_rows`` tokens (a stop cut the step's tokens there)."""
-    return LogprobsLists(
-        lists.logprob_token_ids[:num_rows],
-        lists.logprobs[:num_rows],
-        lists.sampled_token_ranks[:num_rows],
-    )

@@ -1,10 +1,11 @@
 """The model runner's speculative-decoding part: the platform's proposer and rejection sampler,
 and the glue between them and the runner's persistent batch.
 
-Per step the runner asks it to (1) put the scheduled drafts after each row's tokens, where the
-runner reads its scheduled tokens (``write_drafts``), (2) build one sampling-metadata row per
-logits position (``expand_metadata``), (3) verify the drafts against the logits (``verify``) and,
-after the step's tokens are in the batch, (4) draft the next step's tokens (``propose``).
+Per step the runner's speculative sampling strategy (``kiln.worker.sampling``) asks it to (1)
+put the scheduled drafts after each row's tokens, where the runner reads its scheduled tokens
+(``write_drafts``), (2) build one sampling-metadata row per logits position
+(``expand_metadata``), (3) verify the drafts against the logits (``verify``) and, after the
+step's tokens are in the batch, (4) draft the next step's tokens (``propose``).
 
 It reads the runner's persistent batch (``BatchView``: what it uses of the runner's
 ``InputBatch``, which sits in a layer above) and writes only the drafts' slots of its token
@@ -82,7 +83,7 @@ class Speculator:
     def __init__(self, config: KilnConfig, device: torch.device) -> None:
         if config.parallel.pipeline_parallel_size > 1:
             # Earlier stages take one sampled token per request from the last (see the runner's
-            # _follow_last_stage); several per step would need their counts too.
+            # FollowLastStage, kiln.worker.output); several per step would need their counts.
             raise ValueError(
                 "speculative.method is not supported with parallel.pipeline_parallel_size > 1"
             )

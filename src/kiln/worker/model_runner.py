@@ -1,13 +1,22 @@
 """The reference model runner: ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
 
-Each step it (1) applies the scheduler's diff to the persistent batch, (2) prepares the flattened
-input ids, positions and ``CommonAttentionMetadata`` with vectorised NumPy gathers, (3) runs the
-model inside a forward context, computes logits for the last scheduled token of each request (and
-for prompt positions of requests that asked for prompt logprobs), (4) samples, and (5) reads the
-result back with one host sync. Logprobs leave it complete and per request: the sampled token's
-row for each request that asked, and a request's prompt logprobs whole (gathered across prefill
-chunks) in the step that samples its first token. It is device-agnostic PyTorch: platforms reuse
-it or subclass it.
+Each step applies the scheduler's diff to the persistent batch (``InputBatch``), then runs four
+stages over one ``StepPlan`` (``kiln.worker.step_plan``):
+
+1. ``prepare``: the flattened input ids, positions and ``CommonAttentionMetadata`` (vectorised
+   NumPy gathers), the step's sampler from the sampling strategy and its logits rows; then each
+   stage's ``before_forward`` (LoRA: the step's adapter slots).
+2. ``forward``: the model inside a forward context, padded to a graph bucket when it fits one.
+3. ``sample`` and 4. ``commit``: the output stage's (``kiln.worker.output``): on the last
+   pipeline stage, logits, the grammar mask, plain sampling or a verification of drafts, prompt
+   logprobs, then the tokens into the batch with one host sync; on an earlier stage, the
+   step's tokens counted computed.
+
+Features are objects the runner composes at set-up, never branches in the step: the sampling
+strategy (``PlainSampling`` or ``SpeculativeSampling``, ``kiln.worker.sampling``), the optional
+stages (``kiln.worker.stages``: ``LoRAStage`` or the null ``RunnerStage``, ``PromptLogprobs``,
+``GrammarMask``) and the output stage (``SamplingOutput`` or ``FollowLastStage``). A new feature
+(a KV connector's loads and saves around the forward, say) is a new stage in ``stages``.
 
 Graphs: a step of at most the largest bucket's tokens (decodes, speculative verifications, short
 prompts, in any mix) is padded to the smallest bucket that holds it and runs through the
@@ -15,16 +24,9 @@ platform's graph wrapper, which ``capture_model`` prepared at start-up; a larger
 model eagerly. The contract is in ``kiln.worker.graph``; with the reference platform's defaults
 there are no buckets and no padding.
 
-Speculative decoding (``kiln.spec_decode.speculator``): a request scheduled with drafts gets
-logits at its last ``1 + k`` positions, each sampled with the metadata of its position, and the
-platform's rejection sampler decides what it emits (its accepted drafts and one more token);
-after sampling the platform's proposer drafts the next step's tokens of every request that
-emitted some (``ModelRunnerOutput.spec_token_ids``). A request with a grammar speculates too: its
-bitmask has a row per position (the scheduler's, see ``SchedulerOutput.grammar_bitmask``), so
-the rejection sampler verifies its drafts against grammar-masked logits.
-
-It knows nothing about scheduling policy or text; the platform's attention backend, graph wrapper
-and device come from the config and the platform.
+It is device-agnostic PyTorch: platforms reuse it or subclass it. It knows nothing about
+scheduling policy or text; the platform's attention backend, graph wrapper and device come from
+the config and the platform.
 """
 
 from __future__ import annotations
@@ -39,30 +41,24 @@ from kiln.config import KilnConfig, set_current_config
 from kiln.distributed.parallel_state import SINGLE_STAGE, get_pp_group
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.lora.model_manager import LoRAModelManager
-from kiln.messages import (
-    EMPTY_MODEL_RUNNER_OUTPUT,
-    LogprobsLists,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from kiln.messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from kiln.model_executor.layers.attention import (
     CommonAttentionMetadata,
     allocate_kv_caches,
     resolve_attn_backend,
 )
-from kiln.model_executor.layers.token_bitmask import ApplyTokenBitmask
 from kiln.model_executor.loader import resolve_model_ref
 from kiln.model_executor.model_loader import kv_cache_bytes_per_token, load_model
-from kiln.sampling.sampler import (
-    Sampler,
-    compute_prompt_logprobs,
-)
+from kiln.sampling.sampler import Sampler
 from kiln.scheduler.kv_cache import NULL_BLOCK_ID
 from kiln.spec_decode.speculator import Speculator
-from kiln.spec_decode.verify import emitted_tokens, logits_positions
 from kiln.utils import resolve_obj_by_qualname
 from kiln.worker.graph import graph_capture_sizes, no_capture_reason, padded_size
 from kiln.worker.input_batch import InputBatch
+from kiln.worker.output import FollowLastStage, OutputStage, SamplingOutput
+from kiln.worker.sampling import PlainSampling, SpeculativeSampling
+from kiln.worker.stages import GrammarMask, LoRAStage, PromptLogprobs, RunnerStage
+from kiln.worker.step_plan import StepPlan
 from kiln.worker.worker_base import ModelRunnerBase
 
 logger = logging.getLogger(__name__)
@@ -78,11 +74,20 @@ class ModelRunner(ModelRunnerBase):
         self.block_size = config.cache.block_size
         self.attn_backend = resolve_attn_backend(config.device.attention_backend)
         self.sampler = Sampler()
-        self.apply_token_bitmask = ApplyTokenBitmask()
         self.speculator: Speculator | None = None
-        """The proposer and rejection sampler, with ``speculative.method``."""
+        """The proposer and rejection sampler, with ``speculative.method`` (the speculative
+        strategy's)."""
+        self.sampling = PlainSampling(self.sampler)
+        """The sampling strategy: plain, or speculative with ``speculative.method``."""
         if config.speculative.method is not None:
             self.speculator = Speculator(config, device)
+            self.sampling = SpeculativeSampling(self.sampler, self.speculator)
+        self.lora: RunnerStage = RunnerStage()
+        """``LoRAStage`` with ``lora.enable_lora`` (set by ``load_model``), else the null stage."""
+        self.prompt_logprobs = PromptLogprobs()
+        self.output: OutputStage = FollowLastStage()
+        """What this rank makes of the forward (``SamplingOutput`` on the last pipeline stage);
+        set by ``load_model``."""
         self.model: Any = None
         self.pp_group = SINGLE_STAGE
         """This rank's pipeline stage (the worker's ``set_pp_group``); set by ``load_model``."""
@@ -91,11 +96,13 @@ class ModelRunner(ModelRunnerBase):
         self.hf_config: dict[str, Any] = {}
         self.max_model_len = 0
         self.input_batch: InputBatch | None = None
-        self.lora_manager: LoRAModelManager | None = None
-        """Adapter slots over the model, when ``lora.enable_lora``."""
         self.kv_caches: dict[str, torch.Tensor] = {}
-        # Prompt logprobs of chunked prefills, gathered until the prompt is complete.
-        self._prompt_logprobs: dict[str, list[LogprobsLists]] = {}
+
+    @property
+    def stages(self) -> tuple[RunnerStage, ...]:
+        """The stages whose hooks run at set-up, on the batch's diff and before each forward,
+        in this order."""
+        return (self.sampling, self.lora, self.prompt_logprobs)
 
     # -- set-up ------------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -119,30 +126,36 @@ class ModelRunner(ModelRunnerBase):
         if self.graph_sizes and reason:
             logger.info("graphs off (graph_capture_sizes=%s): %s", self.graph_sizes, reason)
             self.graph_sizes = []
-        if self.config.lora.enable_lora:
-            self.lora_manager = LoRAModelManager(
-                model, self.config.lora, self.hf_config, self.dtype, self.device
-            )
         model_len = int(self.hf_config.get("max_position_embeddings") or 2048)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
         self.vocab_size = int(self.hf_config["vocab_size"])
-        if self.speculator is not None:
-            self.speculator.load_model(model, current_platform)
+        self._build_stages(model)
+        for stage in self.stages:
+            stage.load_model(model, current_platform)
+
+    def _build_stages(self, model: Any) -> None:
+        """The stages that need the model: LoRA's adapter slots over its layers, and what this
+        rank makes of its forward."""
+        if self.config.lora.enable_lora:
+            self.lora = LoRAStage(
+                LoRAModelManager(model, self.config.lora, self.hf_config, self.dtype, self.device)
+            )
+        if self.pp_group.is_last:
+            grammar_mask = GrammarMask(self.device)
+            self.output = SamplingOutput(model, self.sampling, grammar_mask, self.prompt_logprobs)
 
     def get_kv_cache_bytes_per_block(self) -> int:
-        """The target's keys and values of one block, plus a draft model's (which has its own
-        cache over the same block ids)."""
+        """The target's keys and values of one block, plus what the stages add (a draft model's
+        own cache over the same block ids)."""
         num_bytes = kv_cache_bytes_per_token(self.hf_config, self.dtype) * self.block_size
-        if self.speculator is not None:
-            num_bytes += self.speculator.get_kv_cache_bytes_per_block()
-        return num_bytes
+        return num_bytes + sum(stage.get_kv_cache_bytes_per_block() for stage in self.stages)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(
             self.model, self.attn_backend, num_blocks, self.block_size, self.dtype, self.device
         )
-        if self.speculator is not None:
-            self.speculator.initialize_kv_cache(num_blocks)
+        for stage in self.stages:
+            stage.initialize_kv_cache(num_blocks)
         self.attention_layers = self.model.attention_layers()
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
@@ -158,206 +171,92 @@ class ModelRunner(ModelRunnerBase):
 
     # -- one step ----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        batch = self.input_batch
-        assert batch is not None, "initialize_kv_cache() must run before execute_model()"
+        assert self.input_batch is not None, "initialize_kv_cache() must run before execute_model()"
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        rows = [
-            row
-            for row, req_id in enumerate(batch.req_ids)
-            if scheduler_output.num_scheduled_tokens.get(req_id, 0) > 0
-        ]
-        num_scheduled = np.array(
-            [scheduler_output.num_scheduled_tokens[batch.req_ids[row]] for row in rows],
-            dtype=np.int64,
+        plan = self._prepare(scheduler_output)
+        hidden_states = self._forward(plan)
+        sampled = self.output.sample(plan, hidden_states)
+        return self.output.commit(plan, sampled)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to the batch and tell the stages."""
+        batch = self.input_batch
+        assert batch is not None
+        finished = list(scheduler_output.finished_req_ids)
+        for stage in self.stages:
+            stage.remove_requests(finished)
+        for req_id in finished:
+            batch.remove_request(req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = batch.req_id_to_index[req_id]
+            batch.append_blocks(row, new_blocks)
+            batch.num_computed_tokens[row] = num_computed
+        self.output.receive_tokens(batch, cached)
+        new_reqs = scheduler_output.scheduled_new_reqs
+        for new in new_reqs:
+            batch.remove_request(new.req_id)  # resumed after preemption: start afresh
+            batch.add_request(new)
+        for stage in self.stages:
+            stage.add_requests(new_reqs)
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        """The step's plan: its requests, inputs, sampler and logits rows; then each stage's
+        ``before_forward``."""
+        batch = self.input_batch
+        assert batch is not None
+        num_tokens = scheduler_output.num_scheduled_tokens
+        rows = [row for row, req_id in enumerate(batch.req_ids) if num_tokens.get(req_id, 0) > 0]
+        req_ids = [batch.req_ids[row] for row in rows]
+        num_scheduled = np.array([num_tokens[req_id] for req_id in req_ids], dtype=np.int64)
+        # Before the inputs are read: a speculative step writes its drafts into the batch.
+        sampler = self.sampling.step_sampler(
+            batch, rows, scheduler_output.scheduled_spec_decode_tokens
         )
-        drafts = None
-        if self.speculator is not None:
-            spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-            drafts = self.speculator.write_drafts(batch, rows, spec_tokens)
         input_ids, positions, common = self._prepare_inputs(rows, num_scheduled)
-        failed_requests: dict[str, str] = {}
-        if self.lora_manager is not None:
-            failed_requests = self.lora_manager.set_active_loras(
-                [batch.req_ids[row] for row in rows], num_scheduled
-            )
-        attn_metadata = self.metadata_builder.build(common)
-        # Each request's logits rows: its last position, or with drafts its last 1 + k.
-        num_positions = np.ones(len(rows), dtype=np.int64)
-        if drafts is None:
-            logits_indices = common.query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
-        else:
-            num_positions += [len(d) for d in drafts]
-            logits_indices = torch.from_numpy(
-                logits_positions(common.query_start_loc.numpy().astype(np.int64), num_positions - 1)
-            )  # [P]
-        ends = np.cumsum(num_positions)  # request i's logits rows: ends[i] - num_positions[i] ..
-        starts = ends - num_positions
-        num_tokens = len(input_ids)
+        num_computed_after = batch.num_computed_tokens[rows] + num_scheduled
+        num_positions = sampler.num_positions
+        plan = StepPlan(
+            scheduler_output=scheduler_output,
+            batch=batch,
+            rows=rows,
+            req_ids=req_ids,
+            num_scheduled=num_scheduled,
+            num_computed_after=num_computed_after,
+            is_partial=num_computed_after < batch.num_tokens[rows],
+            input_ids=input_ids,
+            positions=positions,
+            common=common,
+            sampler=sampler,
+            logits_indices=sampler.logits_indices(common),
+            num_positions=num_positions,
+            logits_starts=np.cumsum(num_positions) - num_positions,
+        )
+        for stage in self.stages:
+            stage.before_forward(plan)
+        return plan
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """The model over the step's tokens: [num_tokens (padded), hidden] (on a stage before
+        the last, what it passed on)."""
+        attn_metadata = self.metadata_builder.build(plan.common)
+        input_ids, positions, model = plan.input_ids, plan.positions, self.model
         # A graph depends on the token count only (attention reads the step's metadata at run
         # time), so any step that fits a bucket replays it, speculative verifications included.
-        graph_size = padded_size(self.graph_sizes, num_tokens)
-        model = self.model
+        graph_size = padded_size(self.graph_sizes, len(input_ids))
         if graph_size is not None:
             # Padding rows get no KV slot (the metadata covers the real tokens only); see graph.py.
-            input_ids = _pad(input_ids, graph_size)
-            positions = _pad(positions, graph_size)
+            input_ids, positions = _pad(input_ids, graph_size), _pad(positions, graph_size)
             model = self.runnable
         context = ForwardContext(
             attn_metadata, len(input_ids), attention_layers=self.attention_layers
         )
         with set_forward_context(context):
-            hidden_states = model(input_ids, positions)  # [num_tokens (padded), hidden]
-            if not self.pp_group.is_last:
-                return self._follow_last_stage(rows, num_scheduled)
-            logits = self.model.compute_logits(hidden_states[logits_indices])  # [P, V]
-
-        # A request still inside its prompt after this step samples nothing; its generator must
-        # not advance, so a seed gives the same tokens however the prompt was chunked.
-        computed_after = batch.num_computed_tokens[rows] + num_scheduled
-        is_partial = computed_after < batch.num_tokens[rows]
-        if drafts is None:
-            metadata = batch.sampling_metadata(rows)
-        else:
-            assert self.speculator is not None
-            metadata = self.speculator.expand_metadata(batch, rows, drafts)
-        last_positions = (ends - 1).tolist()
-        saved = {
-            p: metadata.generators[p].get_state()
-            for p in (last_positions[i] for i in np.flatnonzero(is_partial).tolist())
-            if p in metadata.generators
-        }
-        if scheduler_output.grammar_bitmask is not None:
-            logits = self._apply_grammar_bitmask(
-                logits, rows, starts, num_positions, scheduler_output
-            )
-        if drafts is None:
-            sampler_output = self.sampler(logits, metadata)
-            logprobs_tensors = sampler_output.logprobs_tensors
-            sampled_t = sampler_output.sampled_token_ids
-        else:
-            assert self.speculator is not None
-            logprobs_tensors, verified = self.speculator.verify(
-                self.sampler, logits, metadata, [batch.req_ids[row] for row in rows], drafts
-            )
-        for p, state in saved.items():
-            metadata.generators[p].set_state(state)
-
-        prompt_logprobs = self._prompt_logprobs_step(rows, num_scheduled, hidden_states, common)
-        if drafts is None:
-            tokens = [[t] for t in sampled_t.tolist()]  # the step's one host sync
-        else:
-            tokens = emitted_tokens(*verified, [len(d) for d in drafts])
-        rows_logprobs = None  # [P] rows, when some request asked for logprobs
-        if logprobs_tensors is not None:
-            rows_logprobs = LogprobsLists(*logprobs_tensors.tolists())
-
-        req_ids = [batch.req_ids[row] for row in rows]
-        sampled_token_ids: list[list[int]] = []
-        logprobs: dict[str, LogprobsLists] = {}
-        for i, row in enumerate(rows):
-            if is_partial[i]:
-                batch.num_computed_tokens[row] = computed_after[i]
-                sampled_token_ids.append([])
-                continue
-            new_tokens = tokens[i]
-            # Rejected drafts are not computed tokens: their slots are written over later.
-            batch.num_computed_tokens[row] = computed_after[i] - num_positions[i] + len(new_tokens)
-            for token_id in new_tokens:
-                batch.append_token(row, token_id)
-            sampled_token_ids.append(new_tokens)
-            if (
-                rows_logprobs is not None
-                and batch.requests[row].sampling_params.logprobs is not None
-            ):
-                first, last = int(starts[i]), int(starts[i]) + len(new_tokens)
-                logprobs[req_ids[i]] = LogprobsLists(
-                    rows_logprobs.logprob_token_ids[first:last],
-                    rows_logprobs.logprobs[first:last],
-                    rows_logprobs.sampled_token_ranks[first:last],
-                )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=(
-                self.speculator.propose(batch, rows, sampled_token_ids)
-                if self.speculator is not None
-                else []
-            ),
-            failed_requests=failed_requests,
-        )
-
-    def _follow_last_stage(self, rows: list[int], num_scheduled: np.ndarray) -> ModelRunnerOutput:
-        """A stage before the last: count the step's tokens computed and answer nothing, without
-        waiting for the last stage (its sampled tokens come with a later step's
-        ``CachedRequestData.new_token_ids``), so the next batch can start here meanwhile."""
-        batch = self.input_batch
-        assert batch is not None
-        batch.num_computed_tokens[rows] += num_scheduled
-        return EMPTY_MODEL_RUNNER_OUTPUT
-
-    def _apply_grammar_bitmask(
-        self,
-        logits: torch.Tensor,
-        rows: list[int],
-        starts: np.ndarray,
-        num_positions: np.ndarray,
-        scheduler_output: SchedulerOutput,
-    ) -> torch.Tensor:
-        """Structured outputs: forbid what each grammar forbids, before the sampler, so logprobs
-        see the masked distribution too (as vLLM applies it before its sampler).
-
-        Request ``i`` (of ``rows``) has logits rows ``starts[i] ..`` for its ``num_positions[i]``
-        positions (its last, or with ``k`` drafts its last ``1 + k``); a structured request has
-        as many bitmask rows, in the same order."""
-        assert scheduler_output.grammar_bitmask is not None
-        batch = self.input_batch
-        assert batch is not None
-        index = {batch.req_ids[row]: i for i, row in enumerate(rows)}
-        masked_rows: list[int] = []
-        for req_id in scheduler_output.structured_output_request_ids:
-            i = index[req_id]
-            masked_rows.extend(range(int(starts[i]), int(starts[i] + num_positions[i])))
-        assert len(masked_rows) == len(scheduler_output.grammar_bitmask), "a row per position"
-        bitmask = torch.from_numpy(scheduler_output.grammar_bitmask).to(self.device)
-        masked_rows_t = torch.tensor(masked_rows, dtype=torch.int64).to(self.device)
-        return self.apply_token_bitmask(logits, bitmask, masked_rows_t)  # [P, V]
-
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        batch = self.input_batch
-        assert batch is not None
-        if self.speculator is not None:
-            # Finished, preempted or resumed: the proposer forgets them (a draft model's cache
-            # of a resumed request is rebuilt).
-            new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
-            self.speculator.remove_requests([*scheduler_output.finished_req_ids, *new_ids])
-        for req_id in scheduler_output.finished_req_ids:
-            batch.remove_request(req_id)
-            self._prompt_logprobs.pop(req_id, None)
-            if self.lora_manager is not None:
-                self.lora_manager.remove_request(req_id)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, (req_id, new_blocks, num_computed) in enumerate(
-            zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
-        ):
-            row = batch.req_id_to_index[req_id]
-            batch.append_blocks(row, new_blocks)
-            batch.num_computed_tokens[row] = num_computed
-            if cached.new_token_ids and not self.pp_group.is_last:
-                # Pipelined: the tokens the last stage sampled since this stage last ran it.
-                new_token_ids = cached.new_token_ids[i]
-                num_missing = num_computed + len(new_token_ids) - int(batch.num_tokens[row])
-                for token_id in new_token_ids[len(new_token_ids) - num_missing :]:
-                    batch.append_token(row, token_id)
-        for new in scheduler_output.scheduled_new_reqs:
-            batch.remove_request(new.req_id)  # resumed after preemption: start afresh
-            batch.add_request(new)
-            if self.lora_manager is not None:
-                self.lora_manager.add_request(new.req_id, new.lora_request)
+            return model(input_ids, positions)
 
     def _prepare_inputs(
         self, rows: list[int], num_scheduled: np.ndarray
@@ -398,51 +297,6 @@ class ModelRunner(ModelRunnerBase):
             torch.from_numpy(positions).to(self.device),
             common,
         )
-
-    def _prompt_logprobs_step(
-        self,
-        rows: list[int],
-        num_scheduled: np.ndarray,
-        hidden_states: torch.Tensor,
-        common: CommonAttentionMetadata,
-    ) -> dict[str, LogprobsLists]:
-        """Logprobs of the prompt tokens computed this step, for requests that asked.
-
-        Position ``p`` predicts prompt token ``p + 1``; a request's complete list (``P - 1``
-        entries) is returned in the step its prefill finishes.
-        """
-        batch = self.input_batch
-        assert batch is not None
-        result: dict[str, LogprobsLists] = {}
-        if not any(batch.requests[row].sampling_params.prompt_logprobs is not None for row in rows):
-            return result  # the common case: no per-step work
-        starts = common.query_start_loc.tolist()
-        for i, row in enumerate(rows):
-            state = batch.requests[row]
-            num_logprobs = state.sampling_params.prompt_logprobs
-            num_prompt = int(batch.num_prompt_tokens[row])
-            start = int(common.num_computed_tokens[i])
-            if num_logprobs is None or start >= num_prompt:
-                continue
-            end = min(start + int(num_scheduled[i]), num_prompt - 1)  # last position with a target
-            chunks = self._prompt_logprobs.setdefault(state.req_id, [])
-            if end > start:
-                token_start = starts[i]
-                logits = self.model.compute_logits(
-                    hidden_states[token_start : token_start + end - start]
-                )
-                targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1])
-                chunks.append(
-                    LogprobsLists(*compute_prompt_logprobs(logits, targets, num_logprobs).tolists())
-                )
-            if start + int(num_scheduled[i]) >= num_prompt:
-                parts = self._prompt_logprobs.pop(state.req_id)
-                result[state.req_id] = LogprobsLists(
-                    [r for p in parts for r in p.logprob_token_ids],
-                    [r for p in parts for r in p.logprobs],
-                    [r for p in parts for r in p.sampled_token_ranks],
-                )
-        return result
 
     def capture_model(self) -> list[int]:
         """Capture the graph wrapper's buckets: ``capture``, then one dummy decode per bucket;
