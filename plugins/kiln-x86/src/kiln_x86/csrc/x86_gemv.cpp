@@ -1,4 +1,5 @@
-// kiln-x86 decode matmul for GGUF weights in a tiled layout, with int8 activations (AVX512-VNNI).
+// kiln-x86 decode matmul for GGUF weights in a tiled layout, with int8 activations (AVX512-VNNI;
+// without it, the AVX2 kernel of gemv_avx2.h over the same layout, with the same results).
 // kiln_x86/gemv.py packs the weights and documents the contract.
 //
 // Layout: output channels in tiles of 16; per tile, the K / 32 blocks of 32 inputs one after the
