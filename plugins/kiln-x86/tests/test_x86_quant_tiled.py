@@ -17,21 +17,23 @@ rounds it so in numpy) and then sums exact integer products per block, so per ou
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from kiln_x86 import gemv, quant
+from kiln_x86 import gemv, kernels, quant
 from kiln_x86.linear_methods import X86GGUFInt8ActivationsLinearMethod
 from test_x86_quant import ALL_TYPES, U, int8_rows, random_raw, reference
 
 from kiln.model_executor.layers.quantization import GGUFQuantConfig, model_weight_bytes
 from kiln.model_executor.model_loader import load_model
+from kiln.plugin_api import cpu_flags
 
 pytestmark = pytest.mark.skipif(
-    not gemv.available(), reason="the tiled int8 kernel needs a compiler and AVX512-VNNI"
+    not gemv.available(), reason="the tiled int8 kernel needs a compiler and AVX2 or AVX512-VNNI"
 )
 
 
@@ -130,6 +132,76 @@ def test_helper_threads_give_the_same_rows(rows: int) -> None:
         assert ext.pool_helpers() == 0
         for out in shared:
             assert torch.equal(out, alone)
+
+
+AVX2_FLAGS = ["-mno-avx512f", "-DKILN_GEMV_LIBRARY=kiln_x86_gemv_avx2"]
+"""The kernel as a CPU without AVX-512 builds it (its AVX2 kernel), with its own op namespace: a
+process loads one ``TORCH_LIBRARY`` per name, and the default build has ``kiln_x86_gemv``."""
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels() -> ModuleType:
+    """The AVX2 build (once per machine, like the others), beside this machine's own."""
+    if "avx512_vnni" not in cpu_flags():
+        pytest.skip("compares the AVX2 kernel with the AVX512-VNNI one: needs a CPU with both")
+    flags = [*gemv.build_flags(), *AVX2_FLAGS]
+    module = kernels.load_extension("kiln_x86_gemv_avx2", gemv.SOURCE, flags)
+    assert module is not None and hasattr(module, "gemv"), "the AVX2 build has no gemv"
+    return module
+
+
+AVX2_ROWS = (1, 3, 8, 17, 64, 65, 300)
+
+
+def extreme_case(qtype: T, out_features: int, in_features: int, seed: int) -> gemv.TiledWeight:
+    """Weights all 0 or all ``2**bits - 1`` per block (the largest products a pair sums: an int16
+    overflow or saturation would show), unit scales and mins."""
+    f = gemv.FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    top = rng.integers(0, 2, (out_features, in_features // 32, 1), dtype=np.uint8)
+    u = np.broadcast_to(top * (2**f.bits - 1), (out_features, in_features // 32, 32))
+    scales = rng.uniform(0.5, 1.0, (out_features, in_features // f.group)).astype(np.float32)
+    mins = np.full((out_features, in_features // 32), -0.25, np.float32) if f.has_mins else None
+    return gemv.pack(u.reshape(out_features, in_features), scales, mins, qtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_avx2_kernel_gives_the_vnni_kernels_bits(qtype: T, dtype: torch.dtype, avx2_kernels):
+    """The AVX2 build's gemv equals the AVX512-VNNI build's bit for bit, for every row count
+    (its row passes, pairs of tiles from 8 rows, 64-row chunks), N not a multiple of 16, with and
+    without pool helpers: random weights, and all-0 / all-max ones against activations of
+    +-max|x| (qx = +-127), the sums' extremes."""
+    vnni = gemv.load_gemv_kernels()
+    gen = torch.Generator().manual_seed(21)
+    k = in_sizes(qtype)[1]
+    x = (torch.randn(max(AVX2_ROWS), k, generator=gen) * 3).to(dtype)
+    x[5, 32:64] = 0.0  # an all-zero activation block
+    x[7] = torch.where(torch.rand(k, generator=gen) < 0.5, -4.0, 4.0).to(dtype)
+    x[9, :32] = x[7, :32].abs()
+    weights = [tiled_case(qtype, 45, k, seed=5)[0], extreme_case(qtype, 37, k, seed=6)]
+    for tiled in weights:
+        want = vnni.gemv(x, tiled.data, *tiled.args())
+        for rows in AVX2_ROWS:
+            got = avx2_kernels.gemv(x[:rows], tiled.data, *tiled.args())
+            assert torch.equal(got, want[:rows]), rows
+        try:
+            avx2_kernels.set_pool_helpers([-1, -1])
+            for rows in (1, 17, 300):
+                got = avx2_kernels.gemv(x[:rows], tiled.data, *tiled.args())
+                assert torch.equal(got, want[:rows]), ("helpers", rows)
+        finally:
+            avx2_kernels.set_pool_helpers([])
+
+
+def test_avx2_build_registers_its_own_ops(avx2_kernels) -> None:
+    """Both builds' ops load in one process, each under its namespace, the same kernel."""
+    tiled = tiled_case(T.Q4_1, 21, 256, seed=2)[0]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    want = gemv.load_gemv_kernels().gemv(x, tiled.data, *tiled.args())
+    got = torch.ops.kiln_x86_gemv_avx2.gemv(x, tiled.data, *tiled.args())
+    assert torch.equal(got, want)
+    assert torch.equal(torch.ops.kiln_x86_gemv.gemv(x, tiled.data, *tiled.args()), want)
 
 
 def same_on_one_and_two_threads(run) -> torch.Tensor:

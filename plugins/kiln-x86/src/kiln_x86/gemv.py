@@ -2,8 +2,9 @@
 
 Contract:
 
-- ``available()``: whether the kernel is built here (a C++ compiler and AVX512-VNNI); where it is
-  not, nothing of this module runs (``kiln_x86.quant`` keeps its row layout).
+- ``available()``: whether the kernel is built here (a C++ compiler and AVX512-VNNI, or AVX2 with
+  FMA and F16C: the same results bit for bit, chosen at compile time); where it is not, nothing
+  of this module runs (``kiln_x86.quant`` keeps its row layout).
 - ``pack(u, scales, mins, qtype)``: one weight's unsigned integers ``u [out, in]`` (``w = scale *
   (u - offset) + min``, ``offset`` fixed per format), ``scales [out, in / group]`` and ``mins
   [out, in / 32]`` (or None) -> ``TiledWeight``: output channels in tiles of 16, each tile one
@@ -12,8 +13,9 @@ Contract:
 - ``matmul(x, tiled)``: ``x [rows, in]`` float32 or bfloat16 -> ``[rows, out]`` in x's dtype,
   with x rounded to int8 per block of 32 (llama.cpp's Q8 activations; not exact: each activation
   moves by at most half its block's step, ``max|x| / 254``), for any number of rows: up to
-  ``AMX_MIN_ROWS - 1`` rows the AVX512-VNNI kernel (``gemv``), from ``AMX_MIN_ROWS`` the AMX
-  kernel (``gemm_amx``) where the CPU and Linux allow tiles, else the VNNI kernel for all rows
+  ``AMX_MIN_ROWS - 1`` rows the int8 kernel (``gemv``: AVX512-VNNI, or AVX2), from
+  ``AMX_MIN_ROWS`` the AMX kernel (``gemm_amx``) where the CPU and Linux allow tiles, else
+  ``gemv`` for all rows
   (one parallel region over chunks of 64 rows x tiles of 16 channels). Every path computes a
   (row, channel) result with the same integer sums and the same float operations in the same
   order, so a row's result does not depend on the call's other rows, on the path or on the
@@ -99,7 +101,7 @@ class TiledWeight:
 @functools.cache
 def build_flags() -> list[str]:
     # The build's name hashes its flags: naming VNNI keeps an AVX-512 CPU without it (whose
-    # -march=native build has no kernel) from sharing a cached build with one that has it.
+    # -march=native build has the AVX2 kernel) from sharing a cached build with one that has it.
     # Cached: matmul asks for the extension on every call.
     flags = cpu_flags()
     vnni, amx = "avx512_vnni" in flags, "amx_int8" in flags and "amx_tile" in flags
@@ -107,10 +109,10 @@ def build_flags() -> list[str]:
 
 
 def load_gemv_kernels() -> Any:
-    """The compiled ``x86_gemv`` extension (``gemv`` only where built with AVX512-VNNI), or None
-    (logged once) where it cannot be built. In a graph being captured (``is_capturing()``) the
-    same functions as ``torch.ops.kiln_x86_gemv`` ops, traced opaque (loaded eagerly before:
-    model loading)."""
+    """The compiled ``x86_gemv`` extension (``gemv`` only where built with AVX512-VNNI or AVX2),
+    or None (logged once) where it cannot be built. In a graph being captured
+    (``is_capturing()``) the same functions as ``torch.ops.kiln_x86_gemv`` ops, traced opaque
+    (loaded eagerly before: model loading)."""
     if is_capturing():
         return _TRACED
     ext = kernels.load_extension("kiln_x86_gemv", SOURCE, build_flags())
@@ -134,7 +136,7 @@ def _register_traced() -> None:
     fakes = (("gemv", gemv_fake), ("gemm_amx", gemv_fake), ("dequantize", dequantize_fake))
     for name, fake in fakes:
         if not hasattr(ops, name):
-            continue  # gemv is built only with AVX512-VNNI, gemm_amx with AMX-INT8 too
+            continue  # gemv is built only with AVX512-VNNI or AVX2, gemm_amx with AMX-INT8 too
         try:
             torch.library.register_fake(f"kiln_x86_gemv::{name}")(fake)
         except RuntimeError:
@@ -143,7 +145,7 @@ def _register_traced() -> None:
 
 
 def available() -> bool:
-    """Whether the tiled int8 kernel runs here (compiled, with AVX512-VNNI)."""
+    """Whether the tiled int8 kernel runs here (compiled, with AVX512-VNNI or AVX2)."""
     ext = load_gemv_kernels()
     return ext is not None and hasattr(ext, "gemv")
 

@@ -54,10 +54,10 @@ class X86GGUFLinearMethod(GGUFLinearMethod):
 
 class X86GGUFInt8ActivationsLinearMethod(X86GGUFLinearMethod):
     """GGUF weights with the activations rounded to int8 (the x86 section's ``int8_activations``):
-    where the CPU has AVX512-VNNI, each weight is kept only in ``kiln_x86.gemv``'s tiled layout
-    and every matmul, whatever its row count, runs its int8 kernels (the same result per row);
-    not exact. Elsewhere the exact method's kernels: rounding only some row counts would make a
-    prompt's result depend on whether its prefix was cached."""
+    where the CPU has AVX512-VNNI or AVX2, each weight is kept only in ``kiln_x86.gemv``'s tiled
+    layout and every matmul, whatever its row count, runs its int8 kernels (the same result per
+    row); not exact. Elsewhere the exact method's kernels: rounding only some row counts would
+    make a prompt's result depend on whether its prefix was cached."""
 
     def pack(self, raw: torch.Tensor, qtype: Any, out_features: int, in_features: int) -> Any:
         if qtype not in quant.SUPPORTED_TYPES or not gemv.available():

@@ -61,11 +61,12 @@ class X86Options:
     gains more from both cores than the API server loses), else 1."""
     int8_activations: bool = True
     """Kept-quantized GGUF weights: round the activations to int8 per block of 32 and multiply
-    with integer dot products (``kiln_x86.gemv``: AVX512-VNNI for decode, AMX tiles for prefill
-    where the CPU has them), for every row count, with the same result per row whatever the row
-    count, so a prefix-cached prompt and the whole prompt agree. Where the CPU lacks AVX512-VNNI
-    it changes nothing (the exact kernels run). ``false``: the exact float kernels (weights
-    dequantized in registers; prefill dequantizes and runs the dense bf16 GEMM)."""
+    with integer dot products (``kiln_x86.gemv``: AVX512-VNNI, else AVX2 with the same results,
+    for decode; AMX tiles for prefill where the CPU has them), for every row count, with the same
+    result per row whatever the row count, so a prefix-cached prompt and the whole prompt agree.
+    Where the CPU has neither AVX2 nor AVX512-VNNI it changes nothing (the exact kernels run).
+    ``false``: the exact float kernels (weights dequantized in registers; prefill dequantizes and
+    runs the dense bf16 GEMM)."""
 
     helper_threads: int | None = None
     """Threads beside the model's that share the int8 matmul kernels' calls (``kiln_x86.gemv``),

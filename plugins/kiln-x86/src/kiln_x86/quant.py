@@ -23,8 +23,9 @@ int8 step of each activation block per weight).
 ``pack(..., tiled=True)`` (the linear method with ``int8_activations``, where
 ``kiln_x86.gemv.available()``) keeps the weight only in ``kiln_x86.gemv``'s tiled layout instead:
 ``matmul`` then runs its int8 kernels for every row count (``gemv.matmul``: 16 output channels per
-``vpdpbusd``, AMX tiles for prefill, same activation rounding, the same result per row whatever
-the row count), ``embedding`` and ``dequantize`` read the same tiles.
+``vpdpbusd``, or AVX2's ``vpmaddubsw`` with the same sums, AMX tiles for prefill, same
+activation rounding, the same result per row whatever the row count), ``embedding`` and
+``dequantize`` read the same tiles.
 Otherwise up to ``MAX_KERNEL_ROWS`` rows run the C++ kernel, which reads each weight once and
 dequantizes it in registers (decode is bound by reading the weights); more rows dequantize the
 weight and run torch's dense GEMM in x's dtype (prefill is bound by the GEMM, and oneDNN's bf16

@@ -1,4 +1,5 @@
-// kiln-x86 decode matmul for GGUF weights in a tiled layout, with int8 activations (AVX512-VNNI).
+// kiln-x86 decode matmul for GGUF weights in a tiled layout, with int8 activations (AVX512-VNNI;
+// without it, the AVX2 kernel of gemv_avx2.h over the same layout, with the same results).
 // kiln_x86/gemv.py packs the weights and documents the contract.
 //
 // Layout: output channels in tiles of 16; per tile, the K / 32 blocks of 32 inputs one after the
@@ -43,14 +44,29 @@
 #include "bf16.h"
 #include "work_pool.h"
 
+// The int8 kernel's instruction set, chosen at compile time (the build is -march=native):
+// AVX512-VNNI (and AMX tiles for prefill where the CPU has them), else AVX2 with FMA and F16C
+// (the same tiled layout, integer sums and float operations: the same results bit for bit),
+// else no int8 kernel (gemv.available() is False).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KILN_GEMV_VNNI 1
-#include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KILN_GEMV_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILN_GEMV_AVX2 1
+#endif
+#if defined(KILN_GEMV_VNNI) || defined(KILN_GEMV_AVX2)
+#define KILN_GEMV_INT8 1
+#include <immintrin.h>
+#endif
+
+// The dispatcher namespace of the ops (torch.ops.<name>): one per process, so a second build
+// loaded beside the default one (the tests' AVX2 build on an AVX-512 machine) names its own.
+#ifndef KILN_GEMV_LIBRARY
+#define KILN_GEMV_LIBRARY kiln_x86_gemv
 #endif
 
 namespace {
@@ -148,7 +164,7 @@ void dequantize_kernel(const Layout& w, const int64_t* ids, int64_t count, T* ou
   });
 }
 
-#if defined(KILN_GEMV_VNNI)
+#if defined(KILN_GEMV_INT8)
 
 // The activations of one call, rounded: q [M, K] int8, dx [M, nb], s16 [M, 2 nb] (sum of qx
 // over each half block of 16).
@@ -158,6 +174,10 @@ struct Acts {
   const int32_t* s16;
   const float* dsum;  // [M, nb]: dx * float(sum of qx over the block)
 };
+
+#endif  // KILN_GEMV_INT8
+
+#if defined(KILN_GEMV_VNNI)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -387,15 +407,6 @@ constexpr int max_rows() {
   return (kGroups == 2 ? 4 : 8) / kTiles;
 }
 
-template <int kBits, int kGroups, bool kMins, bool kF16, int kTiles, int kRows = 1>
-void tile_rows_n(int rows, const Layout& w, const Acts& a, int64_t tile, int64_t r0, float* res) {
-  if constexpr (kRows <= max_rows<kGroups, kTiles>()) {
-    if (rows == kRows)
-      return tile_rows<kBits, kGroups, kMins, kF16, kRows, kTiles>(w, a, tile, r0, res);
-    tile_rows_n<kBits, kGroups, kMins, kF16, kTiles, kRows + 1>(rows, w, a, tile, r0, res);
-  }
-}
-
 inline void store_row(const float* res, float* out, __mmask16 mask) {
   _mm512_mask_storeu_ps(out, mask, _mm512_loadu_ps(res));
 }
@@ -407,6 +418,27 @@ inline void store_row(const float* res, c10::BFloat16* out, __mmask16 mask) {
   const __m512i r =
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
+}
+
+// Row r of a tile's results (res: 16 floats) into its first `count` output channels.
+template <typename T>
+inline void store_tile_row(const float* res, T* out, int64_t count) {
+  store_row(res, out, static_cast<__mmask16>((1u << count) - 1));
+}
+
+#elif defined(KILN_GEMV_AVX2)
+#include "gemv_avx2.h"
+#endif
+
+#if defined(KILN_GEMV_INT8)
+
+template <int kBits, int kGroups, bool kMins, bool kF16, int kTiles, int kRows = 1>
+void tile_rows_n(int rows, const Layout& w, const Acts& a, int64_t tile, int64_t r0, float* res) {
+  if constexpr (kRows <= max_rows<kGroups, kTiles>()) {
+    if (rows == kRows)
+      return tile_rows<kBits, kGroups, kMins, kF16, kRows, kTiles>(w, a, tile, r0, res);
+    tile_rows_n<kBits, kGroups, kMins, kF16, kTiles, kRows + 1>(rows, w, a, tile, r0, res);
+  }
 }
 
 // Rows per chunk of a many-row call (prefill without AMX): a chunk's rounded activations stay in
@@ -488,9 +520,8 @@ void gemv_kernel(const Layout& w, const X* x, int64_t M, T* out) {
         for (int64_t k = 0; k < num_tiles; ++k) {
           const int64_t n0 = (t + k) * kTile;
           const int64_t count = std::min<int64_t>(kTile, w.N - n0);
-          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
           for (int r = 0; r < rows; ++r)
-            store_row(res + (k * rows + r) * kTile, out + (c0 + r0 + r) * w.N + n0, mask);
+            store_tile_row(res + (k * rows + r) * kTile, out + (c0 + r0 + r) * w.N + n0, count);
         }
       }
     }
@@ -549,6 +580,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t N, int64_t 
                                 out.data_ptr<c10::BFloat16>());
   return out;
 }
+
+#endif  // KILN_GEMV_INT8
 
 #if defined(KILN_GEMV_AMX)
 
@@ -816,8 +849,6 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& data, int64_t N, int6
 
 #endif  // KILN_GEMV_AMX
 
-#endif  // KILN_GEMV_VNNI
-
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& ids, int64_t N, int64_t K,
                       int64_t bits, int64_t group, bool mins, bool f16, int64_t offset,
                       at::ScalarType dtype) {
@@ -848,11 +879,11 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& ids, int64_t N, 
 
 // The same functions as dispatcher ops, so that torch.compile traces them as opaque nodes
 // (kiln_x86.gemv gives them fake implementations); eager calls use the pybind functions.
-TORCH_LIBRARY(kiln_x86_gemv, m) {
+TORCH_LIBRARY(KILN_GEMV_LIBRARY, m) {
   m.def(
       "dequantize(Tensor data, Tensor ids, int N, int K, int bits, int group, bool mins, bool f16, "
       "int offset, ScalarType dtype) -> Tensor");
-#if defined(KILN_GEMV_VNNI)
+#if defined(KILN_GEMV_INT8)
   m.def(
       "gemv(Tensor x, Tensor data, int N, int bits, int group, bool mins, bool f16, int offset) -> "
       "Tensor");
@@ -864,9 +895,9 @@ TORCH_LIBRARY(kiln_x86_gemv, m) {
 #endif
 }
 
-TORCH_LIBRARY_IMPL(kiln_x86_gemv, CPU, m) {
+TORCH_LIBRARY_IMPL(KILN_GEMV_LIBRARY, CPU, m) {
   m.impl("dequantize", &dequantize);
-#if defined(KILN_GEMV_VNNI)
+#if defined(KILN_GEMV_INT8)
   m.impl("gemv", &gemv);
 #endif
 #if defined(KILN_GEMV_AMX)
@@ -887,8 +918,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "pool_handle",
       [] { return reinterpret_cast<uintptr_t>(kiln_x86::WorkPool::handle()); },
       "the address of this pool's entry points, for another kiln-x86 extension's attach_pool");
-#if defined(KILN_GEMV_VNNI)
-  m.def("gemv", &gemv, "x @ w.T for a tiled GGUF weight, activations rounded to int8 (VNNI)");
+#if defined(KILN_GEMV_INT8)
+  m.def("gemv", &gemv,
+        "x @ w.T for a tiled GGUF weight, activations rounded to int8 (AVX512-VNNI or AVX2)");
 #endif
 #if defined(KILN_GEMV_AMX)
   m.def("gemm_amx", &gemm_amx, "gemv's results for many rows, through AMX tiles");
