@@ -2,6 +2,9 @@
 built from the same GGUF (``kiln.testing.reference``). Session-scoped: building the reference
 takes several seconds.
 
+The core tests run on the reference ``cpu`` platform (see ``pytest_runtest_protocol`` below);
+kiln-x86's own tests (plugins/kiln-x86/tests) and its conformance kit cover kiln-x86.
+
 A missing default model is a test *failure*, never a skip: skipping would turn every engine and
 server test into a skip and leave CI green while testing nothing. ``scripts/bootstrap.sh`` installs
 the model.
@@ -17,6 +20,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +29,40 @@ import torch
 from kiln import LLM
 from kiln.model_executor.loader.default_model import DefaultModelNotFoundError, default_model_path
 from kiln.outputs import PositionLogprobs
+from kiln.plugins.manager import PLATFORM_ENV
 from kiln.testing.reference import hf_greedy, hf_logits, hf_model_from_gguf
+
+TESTS_DIR = Path(__file__).parent
+
+# The platform the core tests' engines select, in this process and in the ones they start, unless
+# the run names one itself (KILN_PLATFORM=x86 runs them on kiln-x86). Detection would pick kiln-x86
+# on x86-64 where it is installed, whose every engine start traces its decode graphs.
+DEFAULT_TEST_PLATFORM = os.environ.get(PLATFORM_ENV) or "cpu"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Sets ``KILN_PLATFORM`` for each core test's set-up, call and tear-down (fixtures that start
+    an engine or a server included), and only for those: kiln-x86's tests, which this hook also
+    sees, select by detection. A test marked ``detected_platform`` (it tests which platform this
+    machine selects, or a platform's own behaviour behind a server) gets no default either.
+
+    NOTE: this process selects its own platform once, at its first engine, so an in-process
+    engine runs on ``DEFAULT_TEST_PLATFORM`` whatever the marker says; the marker is for the
+    processes a test starts.
+    """
+    if not item.path.is_relative_to(TESTS_DIR) or item.get_closest_marker("detected_platform"):
+        return (yield)
+    previous = os.environ.get(PLATFORM_ENV)
+    os.environ[PLATFORM_ENV] = DEFAULT_TEST_PLATFORM
+    try:
+        return (yield)
+    finally:
+        if previous is None:
+            os.environ.pop(PLATFORM_ENV, None)
+        else:
+            os.environ[PLATFORM_ENV] = previous
+
 
 MISSING_MODEL_HINT = (
     "the default model is required by the engine and server tests; install it (and the test "

@@ -43,6 +43,10 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 DEADLINE_S = 30
 ABORT_DEADLINE_S = 5
 
+# The DP server runs where detection puts it (kiln-x86 in CI, which pins each engine to its own
+# cores), not on the core tests' cpu default; the in-process engine it is compared with is cpu's.
+pytestmark = pytest.mark.detected_platform
+
 
 def _config(**parallel) -> KilnConfig:
     return KilnConfig(parallel=ParallelConfig(**parallel))

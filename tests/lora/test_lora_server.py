@@ -33,6 +33,10 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 MAX_ADAPTERS = 12
 CHAT_TEXT = "!#$%"  # tokens 17, 19, 20, 21 of the default tokenizer: within the tiny vocabulary
 
+# The server runs where detection puts it (kiln-x86 and its LoRA kernel in CI), not on the core
+# tests' cpu default; the greedy texts it must give come from in-process engines (cpu).
+pytestmark = pytest.mark.detected_platform
+
 
 @pytest.fixture(scope="module")
 def server(tiny_base, adapters, gguf_path) -> Iterator[KilnServer]:
