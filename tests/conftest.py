@@ -44,14 +44,10 @@ DEFAULT_TEST_PLATFORM = os.environ.get(PLATFORM_ENV) or "cpu"
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """Sets ``KILN_PLATFORM`` for each core test's set-up, call and tear-down (fixtures that start
     an engine or a server included), and only for those: kiln-x86's tests, which this hook also
-    sees, select by detection. A test marked ``detected_platform`` (it tests which platform this
-    machine selects, or a platform's own behaviour behind a server) gets no default either.
-
-    NOTE: this process selects its own platform once, at its first engine, so an in-process
-    engine runs on ``DEFAULT_TEST_PLATFORM`` whatever the marker says; the marker is for the
-    processes a test starts.
-    """
-    if not item.path.is_relative_to(TESTS_DIR) or item.get_closest_marker("detected_platform"):
+    sees, select by detection. This process selects its own platform once, at its first engine,
+    so every core test must run with it; a test of selection clears it for the processes it
+    starts (tests/plugins/conftest.py), as does ``KilnServer(detect_platform=True)``."""
+    if not item.path.is_relative_to(TESTS_DIR):
         return (yield)
     previous = os.environ.get(PLATFORM_ENV)
     os.environ[PLATFORM_ENV] = DEFAULT_TEST_PLATFORM

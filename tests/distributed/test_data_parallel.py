@@ -43,10 +43,6 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 DEADLINE_S = 30
 ABORT_DEADLINE_S = 5
 
-# The DP server runs where detection puts it (kiln-x86 in CI, which pins each engine to its own
-# cores), not on the core tests' cpu default; the in-process engine it is compared with is cpu's.
-pytestmark = pytest.mark.detected_platform
-
 
 def _config(**parallel) -> KilnConfig:
     return KilnConfig(parallel=ParallelConfig(**parallel))
@@ -160,10 +156,11 @@ def _server_args(model: str, tokenizer: str, *flags: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model, gguf_path):
-    # Two engines load side by side (and kiln-x86 may build its kernels first).
-    server = KilnServer(
-        _server_args(tiny_model, gguf_path, "--data-parallel-size", "2"), start_timeout=600
-    )
+    # Two engines load side by side (and kiln-x86 may build its kernels first). Where detection
+    # puts it (kiln-x86 in CI, which gives each engine its own cores), not on the core tests'
+    # cpu; the in-process engine its tokens are compared with is cpu's.
+    args = _server_args(tiny_model, gguf_path, "--data-parallel-size", "2")
+    server = KilnServer(args, start_timeout=600, detect_platform=True)
     yield server
     server.stop()
 

@@ -33,10 +33,6 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 MAX_ADAPTERS = 12
 CHAT_TEXT = "!#$%"  # tokens 17, 19, 20, 21 of the default tokenizer: within the tiny vocabulary
 
-# The server runs where detection puts it (kiln-x86 and its LoRA kernel in CI), not on the core
-# tests' cpu default; the greedy texts it must give come from in-process engines (cpu).
-pytestmark = pytest.mark.detected_platform
-
 
 @pytest.fixture(scope="module")
 def server(tiny_base, adapters, gguf_path) -> Iterator[KilnServer]:
@@ -44,7 +40,9 @@ def server(tiny_base, adapters, gguf_path) -> Iterator[KilnServer]:
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     args += ["--lora-modules", f"a0={adapters[0].path}", "--allow-runtime-lora-updating"]
     args += ["--chat-template", CHAT_TEMPLATE, "--max-lora-adapters", str(MAX_ADAPTERS)]
-    server = KilnServer(args)
+    # Where detection puts it (kiln-x86 and its LoRA kernel in CI), not on the core tests' cpu;
+    # the greedy texts it must give come from in-process engines (cpu).
+    server = KilnServer(args, detect_platform=True)
     yield server
     server.stop()
 

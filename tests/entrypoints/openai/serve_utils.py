@@ -96,16 +96,26 @@ def ipc_dirs(pid: int) -> set[str]:
 
 
 class KilnServer:
-    """``kiln serve`` with ``args``; ``url`` once ``/health`` answers 200."""
+    """``kiln serve`` with ``args``; ``url`` once ``/health`` answers 200.
 
-    def __init__(self, args: list[str], start_timeout: float = 300) -> None:
+    It runs on the core tests' platform (``KILN_PLATFORM``, set by tests/conftest.py), or, with
+    ``detect_platform``, on the one detection selects (kiln-x86 where it is installed), for a
+    test whose point is that platform's behaviour behind a server.
+    """
+
+    def __init__(
+        self, args: list[str], start_timeout: float = 300, detect_platform: bool = False
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kiln-serve-", suffix=".log")
         command = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *args]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        env = dict(os.environ)
+        if detect_platform:
+            env.pop("KILN_PLATFORM", None)
         self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             self._wait_healthy(start_timeout)
