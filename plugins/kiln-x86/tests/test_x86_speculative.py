@@ -4,8 +4,9 @@ attention kernel splits a decode over its context, and it must split a verificat
 one-token decodes in one step) exactly as it splits the plain decode step at each position,
 whatever the step holds. On one thread with short contexts too, asked twice: the second time
 each prompt hits the prefix cache and computes only its last 1..16 tokens, a verification's row
-count, which must keep the bits the whole prompt's prefill gave them (Kiln's own
-tests/spec_decode runs the same check on the reference cpu platform).
+count, which must keep the bits the whole prompt's prefill gave them (as decodes, a near-tie
+first token of a repeated chat question flipped). Kiln's reference cpu platform promises the
+same tokens only up to the numerics of computing several positions at once (README).
 
 Each engine runs in its own process: a process pins its model threads once."""
 
@@ -39,7 +40,8 @@ hits = llm.llm_engine.stats.totals.prefix_cache_hits
 again = generate() if repeat else None  # each prompt's full blocks from the prefix cache
 totals = llm.llm_engine.stats.totals
 print(json.dumps({"outputs": outputs, "again": again, "accepted": totals.spec_num_accepted_tokens,
-                  "again_hits": totals.prefix_cache_hits - hits}))
+                  "again_hits": totals.prefix_cache_hits - hits,
+                  "block_size": llm.llm_engine.config.cache.block_size}))
 """
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
@@ -81,5 +83,9 @@ def test_greedy_speculation_on_one_thread_is_plain_decoding_bit_for_bit_also_fro
     plain = generate(None, x86, SHORT_PROMPTS, 64)
     assert spec["accepted"] > 0
     assert spec["outputs"] == plain["outputs"]
+    # Asked again, each prompt computes only what follows its full blocks: more than one row.
+    block = spec["block_size"]
+    tails = [n - (n - 1) // block * block for n, _, _ in spec["outputs"]]
+    assert any(tail > 1 for tail in tails), tails
     assert spec["again_hits"] > 0
     assert spec["again"] == spec["outputs"]
