@@ -17,7 +17,6 @@ import os
 import pathlib
 import re
 import signal
-import sys
 import time
 from collections.abc import Iterator
 
@@ -31,9 +30,7 @@ from kiln.executor.multiproc import MultiprocExecutor
 from kiln.executor.uniproc import UniProcExecutor
 from kiln.platforms import worker_cpus
 from kiln.testing.models import save_tiny_model
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import KilnServer, child_pids, is_running, metric, scrape  # noqa: E402
+from kiln.testing.server import KilnServer, child_pids, is_running, metric, scrape
 
 KV_CACHE_GIB = 0.1
 MAX_MODEL_LEN = 32768

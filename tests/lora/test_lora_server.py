@@ -14,7 +14,6 @@ import os
 import pathlib
 import platform
 import shutil
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,9 +22,7 @@ import openai
 import pytest
 
 from kiln import LLM, SamplingParams
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import BASE_ARGS, KilnServer, stream_events  # noqa: E402
+from kiln.testing.server import BASE_ARGS, KilnServer, stream_events
 
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 31]
 MAX_TOKENS = 24

@@ -1,6 +1,7 @@
-"""Helpers for the server tests: ``KilnServer`` (a real ``kiln serve`` in a subprocess on a free
-loopback port, in its own session so that stopping it kills everything it started), SSE parsing,
-/metrics parsing and /proc process checks."""
+"""Helpers for tests of ``kiln serve``: ``KilnServer`` (a real ``kiln serve`` in a subprocess on a
+free loopback port, in its own session so that stopping it kills everything it started), small
+server defaults (``BASE_ARGS``), SSE parsing, /metrics parsing and /proc process checks. Kiln's
+server, distributed, LoRA and speculation tests share them; a plugin's tests can too."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ BASE_ARGS = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -106,7 +108,7 @@ class KilnServer:
     def __init__(
         self, args: list[str], start_timeout: float = 300, detect_platform: bool = False
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kiln-serve-", suffix=".log")
         command = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *args]
