@@ -2,6 +2,9 @@
 built from the same GGUF (``kiln.testing.reference``). Session-scoped: building the reference
 takes several seconds.
 
+The core tests run on the reference ``cpu`` platform (see ``pytest_runtest_protocol`` below);
+kiln-x86's own tests (plugins/kiln-x86/tests) and its conformance kit cover kiln-x86.
+
 A missing default model is a test *failure*, never a skip: skipping would turn every engine and
 server test into a skip and leave CI green while testing nothing. ``scripts/bootstrap.sh`` installs
 the model.
@@ -17,6 +20,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +29,36 @@ import torch
 from kiln import LLM
 from kiln.model_executor.loader.default_model import DefaultModelNotFoundError, default_model_path
 from kiln.outputs import PositionLogprobs
+from kiln.plugins.manager import PLATFORM_ENV
 from kiln.testing.reference import hf_greedy, hf_logits, hf_model_from_gguf
+
+TESTS_DIR = Path(__file__).parent
+
+# The platform the core tests' engines select, in this process and in the ones they start, unless
+# the run names one itself (KILN_PLATFORM=x86 runs them on kiln-x86). Detection would pick kiln-x86
+# on x86-64 where it is installed, whose every engine start traces its decode graphs.
+DEFAULT_TEST_PLATFORM = os.environ.get(PLATFORM_ENV) or "cpu"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Sets ``KILN_PLATFORM`` for each core test's set-up, call and tear-down (fixtures that start
+    an engine or a server included), and only for those: kiln-x86's tests, which this hook also
+    sees, select by detection. This process selects its own platform once, at its first engine,
+    so every core test must run with it; a test of selection clears it for the processes it
+    starts (tests/plugins/conftest.py), as does ``KilnServer(detect_platform=True)``."""
+    if not item.path.is_relative_to(TESTS_DIR):
+        return (yield)
+    previous = os.environ.get(PLATFORM_ENV)
+    os.environ[PLATFORM_ENV] = DEFAULT_TEST_PLATFORM
+    try:
+        return (yield)
+    finally:
+        if previous is None:
+            os.environ.pop(PLATFORM_ENV, None)
+        else:
+            os.environ[PLATFORM_ENV] = previous
+
 
 MISSING_MODEL_HINT = (
     "the default model is required by the engine and server tests; install it (and the test "

@@ -17,7 +17,6 @@ import os
 import pathlib
 import re
 import signal
-import sys
 import time
 from collections.abc import Iterator
 
@@ -31,9 +30,7 @@ from kiln.executor.multiproc import MultiprocExecutor
 from kiln.executor.uniproc import UniProcExecutor
 from kiln.platforms import worker_cpus
 from kiln.testing.models import save_tiny_model
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import KilnServer, child_pids, is_running, metric, scrape  # noqa: E402
+from kiln.testing.server import KilnServer, child_pids, is_running, metric, scrape
 
 KV_CACHE_GIB = 0.1
 MAX_MODEL_LEN = 32768
@@ -156,10 +153,11 @@ def _server_args(model: str, tokenizer: str, *flags: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model, gguf_path):
-    # Two engines load side by side (and kiln-x86 may build its kernels first).
-    server = KilnServer(
-        _server_args(tiny_model, gguf_path, "--data-parallel-size", "2"), start_timeout=600
-    )
+    # Two engines load side by side (and kiln-x86 may build its kernels first). Where detection
+    # puts it (kiln-x86 in CI, which gives each engine its own cores), not on the core tests'
+    # cpu; the in-process engine its tokens are compared with is cpu's.
+    args = _server_args(tiny_model, gguf_path, "--data-parallel-size", "2")
+    server = KilnServer(args, start_timeout=600, detect_platform=True)
     yield server
     server.stop()
 

@@ -7,15 +7,12 @@ gloo takes by default) fails the test."""
 from __future__ import annotations
 
 import ipaddress
-import pathlib
-import sys
 
 import httpx
 import psutil
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import BASE_ARGS, KilnServer  # noqa: E402
+from kiln.testing.server import BASE_ARGS, KilnServer
 
 pytestmark = pytest.mark.slow
 

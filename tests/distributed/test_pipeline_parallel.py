@@ -34,7 +34,6 @@ from kiln.model_executor.models.llama import LlamaForCausalLM
 from kiln.testing.models import save_tiny_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
 from parallel_utils import (  # noqa: E402
     GREEDY,
     TEXT_PROMPTS,
@@ -42,7 +41,8 @@ from parallel_utils import (  # noqa: E402
     greedy_tokens,
     small_llm,
 )
-from serve_utils import KilnServer, child_pids, engine_core_pid, is_running  # noqa: E402
+
+from kiln.testing.server import KilnServer, child_pids, engine_core_pid, is_running
 
 MAX_STEPS = 200
 """Far more engine steps than the tiny model's requests need (a stalled queue fails, not hangs)."""

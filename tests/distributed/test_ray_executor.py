@@ -25,9 +25,9 @@ import openai
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
 from parallel_utils import GREEDY, TEXT_PROMPTS, TOKEN_PROMPTS, small_llm  # noqa: E402
-from serve_utils import API_KEY, BASE_ARGS, KilnServer, child_pids, is_running  # noqa: E402
+
+from kiln.testing.server import API_KEY, BASE_ARGS, KilnServer, child_pids, free_port, is_running
 
 ray = pytest.importorskip("ray")  # the optional extra: pip install 'kiln[ray]'
 
@@ -36,12 +36,6 @@ pytestmark = pytest.mark.slow
 NODE_START_TIMEOUT_S = 120
 ACTOR_TITLE = b"ray::RayWorker"
 """What Ray shows as the command line of a process that runs a Kiln rank's actor."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, timeout: float) -> None:
@@ -89,7 +83,7 @@ def ray_cluster(no_ray_auth):
     small object stores), in its own temp dir; every process it started is gone afterwards."""
     ray_bin = str(pathlib.Path(sys.executable).parent / "ray")
     temp_dir = tempfile.mkdtemp(prefix="kray", dir="/tmp")  # short: Ray's socket paths
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     common = ["--num-cpus", "1", "--object-store-memory", str(80 * 1024 * 1024), "--block"]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}

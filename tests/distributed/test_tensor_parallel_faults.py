@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
 import signal
-import sys
 import time
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import BASE_ARGS, KilnServer, child_pids, engine_core_pid, is_running  # noqa: E402
+from kiln.testing.server import BASE_ARGS, KilnServer, child_pids, engine_core_pid, is_running
 
 pytestmark = pytest.mark.slow
 

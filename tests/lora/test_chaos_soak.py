@@ -19,7 +19,6 @@ import pathlib
 import random
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -30,8 +29,7 @@ import psutil
 import pytest
 import zmq
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import (  # noqa: E402
+from kiln.testing.server import (
     BASE_ARGS,
     KilnServer,
     engine_core_pid,

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import pytest
 
-from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
 from kiln.messages import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     EngineCoreOutput,
@@ -21,49 +20,11 @@ from kiln.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from kiln.sampling_params import SamplingParams
 from kiln.scheduler.kv_cache import NULL_BLOCK_ID
-from kiln.scheduler.request import Request, RequestStatus
+from kiln.scheduler.request import RequestStatus
 from kiln.scheduler.scheduler import Scheduler
-
-EOS = 2
-BLOCK_SIZE = 4
-
-
-def make_scheduler(
-    num_blocks: int = 64,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = True,
-    max_model_len: int | None = 256,
-) -> Scheduler:
-    config = KilnConfig(
-        model=ModelConfig(max_model_len=max_model_len),
-        cache=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-        ),
-    )
-    return Scheduler(config, num_blocks)
-
-
-def make_request(
-    request_id: str, prompt: list[int] | int, priority: int = 0, arrival_time: float = 0.0, **params
-) -> Request:
-    if isinstance(prompt, int):
-        prompt = [10 + (i % 7) for i in range(prompt)]
-    params.setdefault("max_tokens", 4)
-    return Request(
-        request_id,
-        list(prompt),
-        SamplingParams(**params),
-        eos_token_id=EOS,
-        arrival_time=arrival_time,
-        priority=priority,
-    )
+from kiln.testing.scheduler import BLOCK_SIZE, make_request, make_scheduler
+from kiln.testing.scheduler import EOS_TOKEN_ID as EOS
 
 
 def distinct_prompt(i: int, length: int) -> list[int]:

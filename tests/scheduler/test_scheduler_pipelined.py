@@ -18,9 +18,10 @@ from kiln.config import CacheConfig, KilnConfig, ModelConfig, ParallelConfig, Sc
 from kiln.messages import SchedulerOutput
 from kiln.scheduler.request import RequestStatus
 from kiln.scheduler.scheduler import Scheduler
+from kiln.testing.scheduler import BLOCK_SIZE, make_request
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_scheduler import BLOCK_SIZE, FakeRunner, distinct_prompt, make_request  # noqa: E402
+from test_scheduler import FakeRunner, distinct_prompt  # noqa: E402
 
 
 def make_pipelined_scheduler(

@@ -5,27 +5,15 @@ logprobs; preemption drops drafts; the counters reach the stats."""
 
 from __future__ import annotations
 
-from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kiln.config import SpeculativeConfig
 from kiln.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.request import Request
 from kiln.scheduler.scheduler import Scheduler
+from kiln.testing.scheduler import BLOCK_SIZE, make_scheduler
 
-BLOCK_SIZE = 4
-
-
-def make_scheduler(
-    max_num_batched_tokens: int = 64,
-    num_blocks: int = 64,
-    speculative: SpeculativeConfig | None = None,
-) -> Scheduler:
-    config = KilnConfig(
-        model=ModelConfig(max_model_len=64),
-        cache=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
-        speculative=speculative or SpeculativeConfig(),
-    )
-    return Scheduler(config, num_blocks)
+# A 64-token context: drafts are cut to it.
+MAX_MODEL_LEN = 64
 
 
 def output(
@@ -52,7 +40,7 @@ def start(scheduler: Scheduler, request: Request, drafts: list[int]) -> None:
 
 
 def test_drafts_are_scheduled_verified_and_counted() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN)
     request = Request("r", list(range(10, 16)), SamplingParams(max_tokens=20), eos_token_id=2)
     start(scheduler, request, [51, 52, 53])
     out = scheduler.schedule()
@@ -74,7 +62,7 @@ def test_drafts_are_scheduled_verified_and_counted() -> None:
 
 def test_a_draft_model_gets_lookahead_slots_within_the_context() -> None:
     draft_model = SpeculativeConfig("draft_model", 3, model="draft.gguf")
-    scheduler = make_scheduler(speculative=draft_model)
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN, speculative=draft_model)
     request = Request("r", list(range(10, 16)), SamplingParams(max_tokens=60), eos_token_id=2)
     scheduler.add_request(request)
     out = scheduler.schedule()
@@ -85,7 +73,7 @@ def test_a_draft_model_gets_lookahead_slots_within_the_context() -> None:
     # 6 + 1 + 3 drafts, then 3 lookahead slots: 13 -> 4 blocks.
     assert len(scheduler.kv_cache_manager.get_block_ids("r")) == 4
     # Near the end of the context the lookahead stops there (the block table ends there).
-    scheduler = make_scheduler(speculative=draft_model)
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN, speculative=draft_model)
     request = Request("r", list(range(10, 72)), SamplingParams(max_tokens=60), eos_token_id=2)
     scheduler.add_request(request)
     scheduler.schedule()
@@ -93,13 +81,13 @@ def test_a_draft_model_gets_lookahead_slots_within_the_context() -> None:
 
 
 def test_drafts_are_cut_to_max_tokens_and_the_budget() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN)
     request = Request("r", list(range(10, 16)), SamplingParams(max_tokens=3), eos_token_id=2)
     start(scheduler, request, [51, 52, 53, 54])
     out = scheduler.schedule()
     # 1 output so far, max_tokens 3: at most 1 draft + the bonus token.
     assert out.scheduled_spec_decode_tokens == {"r": [51]}
-    scheduler = make_scheduler(max_num_batched_tokens=3)
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=3)
     request = Request("r", [10, 11, 12], SamplingParams(max_tokens=20), eos_token_id=2)
     start(scheduler, request, [51, 52, 53, 54])
     out = scheduler.schedule()
@@ -108,7 +96,7 @@ def test_drafts_are_cut_to_max_tokens_and_the_budget() -> None:
 
 
 def test_a_stop_inside_the_run_cuts_tokens_and_logprobs() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(max_tokens=20, stop_token_ids=[52], logprobs=0)
     request = Request("r", list(range(10, 16)), params, eos_token_id=2)
     start(scheduler, request, [51, 52, 53])
@@ -124,7 +112,7 @@ def test_a_stop_inside_the_run_cuts_tokens_and_logprobs() -> None:
 
 
 def test_preemption_drops_the_drafts() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_model_len=MAX_MODEL_LEN)
     request = Request("r", list(range(10, 21)), SamplingParams(max_tokens=20), eos_token_id=2)
     start(scheduler, request, [51, 52, 53, 54])
     scheduler.running.remove(request)  # what running out of blocks does

@@ -8,8 +8,6 @@ without speculation, on the same platform."""
 from __future__ import annotations
 
 import json
-import pathlib
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +18,7 @@ import pytest
 from spec_utils import save_tiny_repeater
 
 from kiln import LLM, SamplingParams
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "entrypoints" / "openai"))
-from serve_utils import KilnServer, metric, scrape  # noqa: E402
+from kiln.testing.server import KilnServer, metric, scrape
 
 pytestmark = pytest.mark.slow
 

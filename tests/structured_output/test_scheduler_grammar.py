@@ -16,18 +16,13 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from kiln.config import (
-    CacheConfig,
-    KilnConfig,
-    ModelConfig,
-    SchedulerConfig,
-    StructuredOutputsConfig,
-)
+from kiln.config import StructuredOutputsConfig
 from kiln.messages import FinishReason, ModelRunnerOutput, SchedulerOutput
-from kiln.sampling_params import SamplingParams, StructuredOutputsParams
-from kiln.scheduler.request import Request, RequestStatus
+from kiln.sampling_params import StructuredOutputsParams
+from kiln.scheduler.request import RequestStatus
 from kiln.scheduler.scheduler import Scheduler
 from kiln.structured_output.manager import valid_drafts
+from kiln.testing.scheduler import make_request, make_scheduler
 from kiln.tokenizer import load_tokenizer
 
 
@@ -36,36 +31,21 @@ def tokenizer(gguf_path):
     return load_tokenizer(gguf_path)
 
 
-def make_scheduler(
-    tokenizer,
-    backend="auto",
-    max_compile_seconds=30.0,
-    num_blocks=64,
-    reasoning_parser=None,
-    enable_in_reasoning=False,
-    **json_options,
-):
-    config = KilnConfig(
-        model=ModelConfig(max_model_len=256),
-        cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-        structured_outputs=StructuredOutputsConfig(
-            backend=backend,
-            max_compile_seconds=max_compile_seconds,
-            reasoning_parser=reasoning_parser,
-            enable_in_reasoning=enable_in_reasoning,
-            **json_options,
-        ),
+def grammar_scheduler(tokenizer, backend="auto", num_blocks=64, **structured_outputs):
+    """``make_scheduler`` with structured outputs on ``backend`` (``structured_outputs``: other
+    fields of ``StructuredOutputsConfig``), handed the default model's tokenizer."""
+    config = StructuredOutputsConfig(backend=backend, **structured_outputs)
+    return make_scheduler(num_blocks, structured_outputs=config, tokenizer=tokenizer)
+
+
+def grammar_request(tokenizer, request_id, structured=None, max_tokens=24, prompt=(5, 6, 7)):
+    return make_request(
+        request_id,
+        prompt,
+        eos_token_id=tokenizer.eos_token_id,
+        max_tokens=max_tokens,
+        structured_outputs=structured,
     )
-    scheduler = Scheduler(config, num_blocks)
-    # The engine core loads the model's tokenizer itself; here the test hands it over.
-    scheduler.structured_output_manager._load_tokenizer = lambda config: tokenizer
-    return scheduler
-
-
-def make_request(tokenizer, request_id, structured=None, max_tokens=24, prompt=(5, 6, 7)):
-    params = SamplingParams(max_tokens=max_tokens, structured_outputs=structured)
-    return Request(request_id, list(prompt), params, eos_token_id=tokenizer.eos_token_id)
 
 
 def lowest_allowed(bitmask_row: np.ndarray) -> int:
@@ -110,12 +90,12 @@ def run(scheduler, max_steps=200):
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_the_mask_decides_the_output_and_eos_comes_when_the_grammar_is_complete(tokenizer, backend):
-    scheduler = make_scheduler(tokenizer, backend)
+    scheduler = grammar_scheduler(tokenizer, backend)
     scheduler.add_request(
-        make_request(tokenizer, "r", StructuredOutputsParams(regex=r"(ab|cd)[0-9]{3}"))
+        grammar_request(tokenizer, "r", StructuredOutputsParams(regex=r"(ab|cd)[0-9]{3}"))
     )
     scheduler.add_request(
-        make_request(tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]))
+        grammar_request(tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]))
     )
     tokens, finish, _ = run(scheduler)
     eos = tokenizer.eos_token_id
@@ -127,14 +107,16 @@ def test_the_mask_decides_the_output_and_eos_comes_when_the_grammar_is_complete(
 
 
 def test_a_request_waiting_for_its_grammar_does_not_stall_the_others(tokenizer):
-    scheduler = make_scheduler(tokenizer)
+    scheduler = grammar_scheduler(tokenizer)
     manager = scheduler.structured_output_manager
     slow: Future = Future()  # a compile that has not finished yet
     real_submit = manager.submit
     manager.submit = lambda params: slow
-    scheduler.add_request(make_request(tokenizer, "slow", StructuredOutputsParams(regex="[0-9]+")))
+    scheduler.add_request(
+        grammar_request(tokenizer, "slow", StructuredOutputsParams(regex="[0-9]+"))
+    )
     manager.submit = real_submit
-    scheduler.add_request(make_request(tokenizer, "plain", max_tokens=3))
+    scheduler.add_request(grammar_request(tokenizer, "plain", max_tokens=3))
     seen: list[SchedulerOutput] = []
     for _ in range(3):
         step(scheduler, seen)
@@ -149,16 +131,16 @@ def test_a_request_waiting_for_its_grammar_does_not_stall_the_others(tokenizer):
 
 
 def test_a_compile_past_the_limit_or_failing_ends_only_its_request(tokenizer):
-    scheduler = make_scheduler(tokenizer, max_compile_seconds=0.05)
+    scheduler = grammar_scheduler(tokenizer, max_compile_seconds=0.05)
     manager = scheduler.structured_output_manager
     real_submit = manager.submit
     manager.submit = lambda params: Future()  # never finishes
-    scheduler.add_request(make_request(tokenizer, "stuck", StructuredOutputsParams(regex="a")))
+    scheduler.add_request(grammar_request(tokenizer, "stuck", StructuredOutputsParams(regex="a")))
     manager.submit = real_submit
     # Past the admission check (which refuses this spec): the engine must still survive it.
-    bad = make_request(tokenizer, "bad", StructuredOutputsParams(grammar="root ::= undefined"))
+    bad = grammar_request(tokenizer, "bad", StructuredOutputsParams(grammar="root ::= undefined"))
     scheduler.add_request(bad)
-    scheduler.add_request(make_request(tokenizer, "plain", max_tokens=2))
+    scheduler.add_request(grammar_request(tokenizer, "plain", max_tokens=2))
     time.sleep(0.1)
     _, finish, _ = run(scheduler)
     assert finish["plain"].finish_reason == FinishReason.LENGTH
@@ -169,7 +151,7 @@ def test_a_compile_past_the_limit_or_failing_ends_only_its_request(tokenizer):
 
 
 def test_grammars_are_cached_by_spec(tokenizer):
-    manager = make_scheduler(tokenizer).structured_output_manager
+    manager = grammar_scheduler(tokenizer).structured_output_manager
     first = manager.submit(StructuredOutputsParams(json={"type": "object", "required": []}))
     same = manager.submit(StructuredOutputsParams(json='{"required": [], "type": "object"}'))
     other = manager.submit(StructuredOutputsParams(json={"type": "array"}))
@@ -179,11 +161,13 @@ def test_grammars_are_cached_by_spec(tokenizer):
 
 def test_preemption_keeps_the_matcher_and_the_output_valid(tokenizer):
     # 11 usable blocks of 4 slots: two requests of 3 + up to 41 tokens cannot both fit.
-    scheduler = make_scheduler(tokenizer, num_blocks=12)
+    scheduler = grammar_scheduler(tokenizer, num_blocks=12)
     pattern = r"[a-z]{20}[0-9]{20}"
     for i in range(2):
         scheduler.add_request(
-            make_request(tokenizer, f"p{i}", StructuredOutputsParams(regex=pattern), max_tokens=41)
+            grammar_request(
+                tokenizer, f"p{i}", StructuredOutputsParams(regex=pattern), max_tokens=41
+            )
         )
     tokens, finish, _ = run(scheduler, max_steps=400)
     assert scheduler.num_preempted > 0
@@ -193,9 +177,9 @@ def test_preemption_keeps_the_matcher_and_the_output_valid(tokenizer):
 
 
 def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(tokenizer):
-    scheduler = make_scheduler(tokenizer, reasoning_parser="qwen3")
+    scheduler = grammar_scheduler(tokenizer, reasoning_parser="qwen3")
     pattern = r"(ab|cd)[0-9]{3}"
-    scheduler.add_request(make_request(tokenizer, "r", StructuredOutputsParams(regex=pattern)))
+    scheduler.add_request(grammar_request(tokenizer, "r", StructuredOutputsParams(regex=pattern)))
     # The "model" thinks (tokens the grammar forbids), then samples the lowest allowed token.
     thinking = tokenizer.encode("<think>Let me see.</think>", add_special_tokens=False)
     every_token = np.full(scheduler.structured_output_manager.allocate_bitmask(1).shape[1], -1)
@@ -226,12 +210,14 @@ def test_a_prompt_that_closed_the_thinking_or_enable_in_reasoning_starts_the_gra
     tokenizer, prompt_text
 ):
     # Without tags in the prompt, only enable_in_reasoning applies the grammar from the start.
-    scheduler = make_scheduler(
+    scheduler = grammar_scheduler(
         tokenizer, reasoning_parser="qwen3", enable_in_reasoning="<think>" not in prompt_text
     )
     prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
     scheduler.add_request(
-        make_request(tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]), prompt=prompt)
+        grammar_request(
+            tokenizer, "c", StructuredOutputsParams(choice=["yes", "no"]), prompt=prompt
+        )
     )
     tokens, finish, _ = run(scheduler)
     assert finish["c"].finish_reason == FinishReason.STOP
@@ -263,9 +249,9 @@ def drafted(so: SchedulerOutput, tokens: list[int], drafts: list[int]) -> ModelR
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_drafts_are_cut_at_the_first_the_grammar_forbids_and_get_a_row_each(tokenizer, backend):
-    scheduler = make_scheduler(tokenizer, backend)
+    scheduler = grammar_scheduler(tokenizer, backend)
     scheduler.add_request(
-        make_request(tokenizer, "r", StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2}"))
+        grammar_request(tokenizer, "r", StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2}"))
     )
     ab, a, one, two, three = (tokenizer.encode(t)[0] for t in ("ab", "a", "1", "2", "3"))
     assert tokenizer.decode([ab, a, one, two, three]) == "aba123"
@@ -306,8 +292,8 @@ def test_drafts_are_cut_at_the_first_the_grammar_forbids_and_get_a_row_each(toke
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_valid_drafts_leave_the_matcher_as_it_was(tokenizer, backend):
-    scheduler = make_scheduler(tokenizer, backend)
-    request = make_request(tokenizer, "r", StructuredOutputsParams(choice=["yes", "no"]))
+    scheduler = grammar_scheduler(tokenizer, backend)
+    request = grammar_request(tokenizer, "r", StructuredOutputsParams(choice=["yes", "no"]))
     scheduler.add_request(request)
     request.grammar.result(timeout=30)
     manager = scheduler.structured_output_manager
@@ -326,8 +312,8 @@ def test_valid_drafts_leave_the_matcher_as_it_was(tokenizer, backend):
 
 
 def test_a_reasoning_matcher_rolls_back_across_the_end_of_the_thinking(tokenizer):
-    scheduler = make_scheduler(tokenizer, reasoning_parser="qwen3")
-    request = make_request(tokenizer, "r", StructuredOutputsParams(choice=["yes", "no"]))
+    scheduler = grammar_scheduler(tokenizer, reasoning_parser="qwen3")
+    request = grammar_request(tokenizer, "r", StructuredOutputsParams(choice=["yes", "no"]))
     scheduler.add_request(request)
     request.grammar.result(timeout=30)
     manager = scheduler.structured_output_manager
@@ -349,8 +335,8 @@ def test_a_reasoning_matcher_rolls_back_across_the_end_of_the_thinking(tokenizer
 def _mask_size_after_brace(tokenizer, structured: StructuredOutputsParams, **json_options) -> int:
     """How many tokens ``structured``'s grammar allows after ``{``, on a server with
     ``json_options`` (``StructuredOutputsConfig`` fields)."""
-    scheduler = make_scheduler(tokenizer, "xgrammar", **json_options)
-    scheduler.add_request(make_request(tokenizer, "j", structured))
+    scheduler = grammar_scheduler(tokenizer, "xgrammar", **json_options)
+    scheduler.add_request(grammar_request(tokenizer, "j", structured))
     (brace,) = tokenizer.encode("{", add_special_tokens=False)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from serve_utils import API_KEY, BASE_ARGS, KilnServer
+
+from kiln.testing.server import API_KEY, BASE_ARGS, KilnServer
 
 
 @pytest.fixture(scope="package")

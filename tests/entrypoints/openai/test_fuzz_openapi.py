@@ -55,7 +55,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from serve_utils import API_KEY, KilnServer
+
+from kiln.testing.server import API_KEY, KilnServer
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_utils import BASE_ARGS, KilnServer, parse_sse, wait_until_idle
+
+from kiln.testing.server import BASE_ARGS, KilnServer, parse_sse, wait_until_idle
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from serve_utils import stream_events
+
+from kiln.testing.server import stream_events
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from serve_utils import parse_sse, stream_events
+
+from kiln.testing.server import parse_sse, stream_events
 
 PROMPT = "The capital of France is"
 

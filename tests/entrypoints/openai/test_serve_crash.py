@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from serve_utils import BASE_ARGS, KilnServer, engine_core_pid, ipc_dirs, is_running
+
+from kiln.testing.server import BASE_ARGS, KilnServer, engine_core_pid, ipc_dirs, is_running
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_utils import API_KEY, KilnServer, metric, parse_sse, scrape, wait_until_idle
 
 from kiln.entrypoints.openai.serving_engine import MAX_WARNED_FIELDS
+from kiln.testing.server import API_KEY, KilnServer, metric, parse_sse, scrape, wait_until_idle
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_utils import (
+
+from kiln.testing.server import (
     BASE_ARGS,
     KilnServer,
     child_pids,

@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_utils import MAX_MODEL_LEN, KilnServer, metric, scrape
 
 from kiln.engine.stats import StatsRecorder
 from kiln.entrypoints.cli import build_parser
 from kiln.entrypoints.openai.metrics import ServerMetrics
+from kiln.testing.server import MAX_MODEL_LEN, KilnServer, metric, scrape
 
 DASHBOARD = Path(__file__).parents[3] / "examples" / "grafana" / "kiln-vllm-dashboard.json"
 _NAME = re.compile(r"\bvllm:[a-zA-Z0-9_:]+")

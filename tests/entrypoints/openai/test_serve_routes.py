@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from serve_utils import API_KEY, MAX_MODEL_LEN, KilnServer, metric, scrape
 
 from kiln.testing import plugin_report
+from kiln.testing.server import API_KEY, MAX_MODEL_LEN, KilnServer, metric, scrape
 
 
 def test_models(client: openai.OpenAI, http: httpx.Client) -> None:

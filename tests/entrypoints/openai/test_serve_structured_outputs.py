@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serve_utils import KilnServer
+
+from kiln.testing.server import KilnServer
 
 SELF_REQUIRING = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 """A JSON schema whose every object needs another inside it: no finite JSON satisfies it."""

@@ -10,9 +10,9 @@ import httpx
 import msgspec
 import openai
 import zmq
-from serve_utils import KilnServer, ipc_dirs
 
 from kiln.messages import EngineCoreOutputs
+from kiln.testing.server import KilnServer, ipc_dirs
 
 MALFORMED = [
     [b"outputs", b"\xc1 not msgpack"],

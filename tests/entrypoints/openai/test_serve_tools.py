@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from serve_utils import API_KEY, BASE_ARGS, KilnServer
 from tool_examples import FEW_SHOT, TEMPLATE, WEATHER
+
+from kiln.testing.server import API_KEY, BASE_ARGS, KilnServer
 
 
 @pytest.fixture(scope="module")

@@ -39,16 +39,30 @@ def test_sse_events_ends_with_done() -> None:
 
 
 def test_merge_interleaves_and_tags_by_index() -> None:
-    async def ticks(name: str, delay: float, count: int) -> AsyncIterator[str]:
-        for i in range(count):
-            await asyncio.sleep(delay)
-            yield f"{name}{i}"
+    # Readiness is made by hand, not by sleeps (on a busy machine two timers fall due together):
+    # stream 0 has nothing until stream 1's first item is out.
+    async def merged() -> list:
+        first_out = asyncio.Event()
 
-    merged = asyncio.run(
-        _collect(merge_async_iterators([ticks("a", 0.03, 2), ticks("b", 0.01, 3)]))
-    )
-    assert sorted(merged) == [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1"), (1, "b2")]
-    assert merged[0] == (1, "b0")  # the faster stream comes first
+        async def slow() -> AsyncIterator[str]:
+            await first_out.wait()
+            for i in range(2):
+                yield f"a{i}"
+
+        async def fast() -> AsyncIterator[str]:
+            yield "b0"
+            first_out.set()  # asked for its next item: b0 has been taken
+            for i in range(1, 3):
+                await asyncio.sleep(0)
+                yield f"b{i}"
+
+        return await _collect(merge_async_iterators([slow(), fast()]))
+
+    items = asyncio.run(merged())
+    assert sorted(items) == [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1"), (1, "b2")]
+    assert items[0] == (1, "b0")  # the stream with an item first comes first, not stream 0
+    assert [item for i, item in items if i == 0] == ["a0", "a1"]  # each stream in its order
+    assert [item for i, item in items if i == 1] == ["b0", "b1", "b2"]
 
 
 def test_closing_the_merge_cancels_the_streams() -> None:

@@ -1,6 +1,7 @@
-"""Helpers for the server tests: ``KilnServer`` (a real ``kiln serve`` in a subprocess on a free
-loopback port, in its own session so that stopping it kills everything it started), SSE parsing,
-/metrics parsing and /proc process checks."""
+"""Helpers for tests of ``kiln serve``: ``KilnServer`` (a real ``kiln serve`` in a subprocess on a
+free loopback port, in its own session so that stopping it kills everything it started), small
+server defaults (``BASE_ARGS``), SSE parsing, /metrics parsing and /proc process checks. Kiln's
+server, distributed, LoRA and speculation tests share them; a plugin's tests can too."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ BASE_ARGS = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -96,16 +98,26 @@ def ipc_dirs(pid: int) -> set[str]:
 
 
 class KilnServer:
-    """``kiln serve`` with ``args``; ``url`` once ``/health`` answers 200."""
+    """``kiln serve`` with ``args``; ``url`` once ``/health`` answers 200.
 
-    def __init__(self, args: list[str], start_timeout: float = 300) -> None:
-        self.port = _free_port()
+    It runs on the core tests' platform (``KILN_PLATFORM``, set by tests/conftest.py), or, with
+    ``detect_platform``, on the one detection selects (kiln-x86 where it is installed), for a
+    test whose point is that platform's behaviour behind a server.
+    """
+
+    def __init__(
+        self, args: list[str], start_timeout: float = 300, detect_platform: bool = False
+    ) -> None:
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kiln-serve-", suffix=".log")
         command = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *args]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        env = dict(os.environ)
+        if detect_platform:
+            env.pop("KILN_PLATFORM", None)
         self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             self._wait_healthy(start_timeout)
