@@ -24,7 +24,6 @@ import asyncio
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,14 +31,9 @@ import time
 import urllib.request
 
 from kiln.bench.serve import BenchConfig, run_benchmark
+from kiln.testing.server import free_port
 
 START_TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _serve(args: argparse.Namespace, size: int, port: int, log) -> subprocess.Popen:
@@ -79,7 +73,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _measure(args: argparse.Namespace, size: int) -> dict:
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryFile("w+") as log:
         proc = _serve(args, size, port, log)
         try:

@@ -44,7 +44,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from dataclasses import dataclass, field
 
 from kiln.bench.results_md import describe_machine, format_section, git_commit, insert_section
 from kiln.bench.roofline import Machine, ModelShape, measure_machine, workload_bound
+from kiln.testing.server import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,12 +96,6 @@ class Engine:
     name: str
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ensure_vllm_venv(venv: str) -> str:

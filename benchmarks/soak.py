@@ -37,7 +37,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from urllib.parse import urlparse
 import httpx
 
 from kiln.bench.prompts import make_prompts
+from kiln.testing.server import free_port
 
 MAX_REQUESTS = 100_000
 START_TIMEOUT_S = 300
@@ -69,12 +69,6 @@ DEFAULT_SERVER_ARGS = [
 # ---------------------------------------------------------------------------------------------
 # The server and its processes
 # ---------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _children(pid: int) -> list[int]:
@@ -116,7 +110,7 @@ class Server:
     """``kiln serve`` in its own session on a free loopback port."""
 
     def __init__(self, args: list[str], api_key: str | None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kiln-soak-", suffix=".log")
         command = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *args]
