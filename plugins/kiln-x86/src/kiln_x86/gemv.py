@@ -108,6 +108,12 @@ def build_flags() -> list[str]:
     return [*kernels.CFLAGS, f"-DKILN_X86_CPU_VNNI={int(vnni)}", f"-DKILN_X86_CPU_AMX={int(amx)}"]
 
 
+def extension() -> Any:
+    """The compiled ``x86_gemv`` extension itself (built on first use), or None: the module
+    whose work pool the other kernels attach to."""
+    return kernels.load_extension("kiln_x86_gemv", SOURCE, build_flags())
+
+
 def load_gemv_kernels() -> Any:
     """The compiled ``x86_gemv`` extension (``gemv`` only where built with AVX512-VNNI or AVX2),
     or None (logged once) where it cannot be built. In a graph being captured
@@ -115,7 +121,7 @@ def load_gemv_kernels() -> Any:
     (loaded eagerly before: model loading)."""
     if is_capturing():
         return _TRACED
-    ext = kernels.load_extension("kiln_x86_gemv", SOURCE, build_flags())
+    ext = extension()
     if ext is not None and not _TRACED.__dict__:
         _register_traced()
     return ext

@@ -182,7 +182,7 @@ def _attach_pool(module: ModuleType) -> None:
     """``module``'s parallel loops go to the matmul extension's work pool, where it builds."""
     from kiln_x86 import gemv  # imports this module: loaded here, not at the top
 
-    pool = load_extension("kiln_x86_gemv", gemv.SOURCE, gemv.build_flags())
+    pool = gemv.extension()
     if pool is not None:
         module.attach_pool(pool.pool_handle())
 
