@@ -129,8 +129,10 @@ def test_chaos_soak(server: KilnServer, victim: pathlib.Path) -> None:
         removed_time = float("inf")
         for index, (job_rng, model) in enumerate(jobs):
             if index == removed_at:
-                shutil.rmtree(victim)
+                # From the first file removed: a request loading the adapter while rmtree runs
+                # sees a half-removed folder and fails before rmtree returns.
                 removed_time = time.monotonic()
+                shutil.rmtree(victim)
             if index == malformed_at:
                 _malformed_frame(server)
             futures.append((index, model, pool.submit(_request, http, job_rng, model)))
