@@ -47,7 +47,8 @@ LAYERS: list[list[str]] = [
     # Scheduling and the KV cache: token ids only; structured outputs' grammars and bitmasks,
     # which the scheduler fills and the front end checks at admission; the reasoning parsers,
     # which split the chat route's answers and tell the engine core where an answer starts.
-    ["scheduler", "structured_output", "reasoning"],
+    # KV connectors: the scheduler asks them for blocks, the worker runs their copies.
+    ["scheduler", "structured_output", "reasoning", "kv_transfer"],
     ["worker", "executor"],
     # The front end (input and output processing) and the engine core's loop and process.
     ["engine"],

@@ -33,6 +33,9 @@ class ForwardContext:
     attention_layers: Mapping[str, Any] | None = None
     """The model's ``Attention`` layers by layer name, set by the model runner: inside a compiled
     graph attention is one opaque op (``kiln::unified_attention``) that finds its layer here."""
+    kv_connector: Any = None
+    """A KV connector whose layer hooks each attention layer calls around its forward
+    (``wait_for_layer_load``, ``save_kv_layer``; ``kiln.kv_transfer``), or None."""
 
 
 _forward_context: ContextVar[ForwardContext | None] = ContextVar(

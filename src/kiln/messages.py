@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -108,6 +109,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """...the draft tokens they verified..."""
     spec_num_accepted_tokens: int = 0
     """...and how many of those were accepted."""
+    kv_connector_stats: dict[str, float] = {}
+    """The KV connector's counters since the last stats (``kiln.kv_transfer.STAT_NAMES``)."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -180,6 +183,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: request id -> the draft tokens it verifies this step (the last
     ``len(drafts)`` of its scheduled tokens); requests without drafts are absent."""
+    kv_connector_metadata: Any = None
+    """The KV connector's work for the workers this step (its own picklable object, from its
+    ``build_connector_meta``); None without a connector."""
 
 
 @dataclass
@@ -203,6 +209,23 @@ class ModelRunnerOutput:
     """Requests that failed in this step for a reason of their own (their LoRA adapter would
     not load), with the reason for their client (no path, no traceback). Their tokens are
     meaningless: the scheduler finishes them with finish reason "error"."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """The KV connector's report of the step; None without a connector."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side of a KV connector reports after a step (``kiln.kv_transfer``)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    """Requests whose asynchronous save finished: their blocks, held past their end, are
+    freed."""
+    finished_recving: set[str] = field(default_factory=set)
+    """Requests whose asynchronous load finished: they may be scheduled."""
+    invalid_block_ids: set[int] = field(default_factory=set)
+    """Blocks whose load failed: what they hold is not the KV their hashes say."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Counters since the last report (``kiln.kv_transfer.base.STAT_NAMES``)."""
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -17,9 +17,9 @@ fields a platform fills (``kiln.plugins.interfaces.CLASS_FIELDS``) are not
 flags.
 
 Each family of sections has its module: ``kiln.config.model``, ``.batching`` (cache and
-scheduler), ``.parallel``, ``.device`` (device and plugins), ``.lora``, ``.structured_outputs``
-and ``.speculative``. This package composes them into ``KilnConfig`` and re-exports every public
-name: import them from ``kiln.config``.
+scheduler), ``.parallel``, ``.device`` (device and plugins), ``.lora``, ``.structured_outputs``,
+``.speculative`` and ``.kv_transfer``. This package composes them into ``KilnConfig`` and
+re-exports every public name: import them from ``kiln.config``.
 
 This package knows nothing about platforms or plugins beyond the names of the fields a platform
 fills.
@@ -41,6 +41,12 @@ from kiln.config.device import (
     PluginConfig,
     parse_graph_capture_sizes,
     parse_plugin_config,
+)
+from kiln.config.kv_transfer import (
+    KV_LOAD_FAILURE_POLICIES,
+    KV_ROLES,
+    KVTransferConfig,
+    parse_kv_transfer_config,
 )
 from kiln.config.lora import LoRAConfig
 from kiln.config.model import DTYPES, QUANTIZATION_METHODS, ModelConfig
@@ -71,6 +77,7 @@ class KilnConfig:
     plugins: PluginConfig = field(default_factory=PluginConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def replace(self, **changes: Any) -> KilnConfig:
         """A copy with fields changed, named ``section__field`` (``device__worker_cls="x.Y"``).
@@ -122,6 +129,7 @@ SECTIONS: dict[str, type] = {
     "plugins": PluginConfig,
     "structured_outputs": StructuredOutputsConfig,
     "speculative": SpeculativeConfig,
+    "kv_transfer": KVTransferConfig,
 }
 """``KilnConfig``'s sections by name, in order."""
 
@@ -155,6 +163,8 @@ __all__ = [
     "AUTO",
     "DTYPES",
     "EXECUTOR_BACKENDS",
+    "KV_LOAD_FAILURE_POLICIES",
+    "KV_ROLES",
     "MAX_NUM_SPECULATIVE_TOKENS",
     "QUANTIZATION_METHODS",
     "SECTIONS",
@@ -162,6 +172,7 @@ __all__ = [
     "STRUCTURED_OUTPUT_BACKENDS",
     "CacheConfig",
     "DeviceConfig",
+    "KVTransferConfig",
     "KilnConfig",
     "LoRAConfig",
     "ModelConfig",
@@ -173,6 +184,7 @@ __all__ = [
     "get_current_config",
     "parse_graph_capture_sizes",
     "parse_kv_cache_memory",
+    "parse_kv_transfer_config",
     "parse_plugin_config",
     "parse_speculative_config",
     "parse_structured_outputs_config",

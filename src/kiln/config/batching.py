@@ -47,6 +47,9 @@ class CacheConfig:
     """KV-cache size as a fraction of the memory free after the model loads, in (0, 1]."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests whose prompts start the same way."""
+    bytes_per_block: int = field(default=0, metadata={"internal": True})
+    """One block's keys and values over every layer, once the worker has measured it (the
+    engine core sets it before it builds the scheduler; 0 before)."""
 
     def __post_init__(self) -> None:
         check(

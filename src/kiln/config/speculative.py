@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.config.checks import check, is_int
+from kiln.config.checks import check, is_int, parse_json_fields
 from kiln.config.model import QUANTIZATION_METHODS
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -31,16 +29,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> dict[str, An
     """
     if not value:
         return {}
-    try:
-        data = json.loads(value) if isinstance(value, str) else dict(value)
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        raise ValueError(f"--speculative-config is not valid JSON: {exc}") from exc
-    allowed = [f.name for f in dataclasses.fields(SpeculativeConfig)]
-    if not isinstance(data, dict) or not set(data) <= set(allowed):
-        raise ValueError(
-            f"speculative_config={value!r} is invalid; allowed: a JSON object with keys in "
-            f"{allowed}, like {_SPECULATIVE_EXAMPLE}"
-        )
+    data = parse_json_fields(value, "speculative_config", SpeculativeConfig, _SPECULATIVE_EXAMPLE)
     if data.get("model") is not None and data.get("method") is None:
         data["method"] = "draft_model"
     if data.get("method") == "ngram":

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.config.checks import check
+from kiln.config.checks import check, parse_json_fields
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
 """Values of ``structured_outputs.backend`` (``"guidance"`` is llguidance, as in vLLM)."""
@@ -22,19 +20,13 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | None) -> dict[
     """
     if not value:
         return {}
-    try:
-        data = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from exc
-    allowed = [
-        f.name for f in dataclasses.fields(StructuredOutputsConfig) if f.name != "reasoning_parser"
-    ]
-    if not isinstance(data, dict) or not set(data) <= set(allowed):
-        raise ValueError(
-            f"structured_outputs_config={value!r} is invalid; allowed: a JSON object with keys in "
-            f'{allowed}, like \'{{"backend": "xgrammar"}}\''
-        )
-    return data
+    return parse_json_fields(
+        value,
+        "structured_outputs_config",
+        StructuredOutputsConfig,
+        '\'{"backend": "xgrammar"}\'',
+        exclude=("reasoning_parser",),
+    )
 
 
 @dataclass(frozen=True)

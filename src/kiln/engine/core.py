@@ -47,8 +47,10 @@ class EngineCore:
         self.executor = Executor.get_class(config)(config)
         self.executor.initialize()
         max_model_len = self.executor.get_max_model_len()
-        config = config.replace(model__max_model_len=max_model_len)
         bytes_per_block = self.executor.get_kv_cache_bytes_per_block()
+        config = config.replace(
+            model__max_model_len=max_model_len, cache__bytes_per_block=bytes_per_block
+        )
         available = min(self.executor.determine_available_memory())
         num_blocks = available // bytes_per_block
         min_blocks = -(-max_model_len // config.cache.block_size)

@@ -5,11 +5,11 @@
 
     Engine: prompt 812.3 tok/s, generation 95.1 tok/s | running 16, waiting 0 | KV cache 12.5% |
     prefix cache hit rate 43.0% | preemptions 0 | spec decode: acceptance rate 61.3%, mean
-    accepted length 3.45
+    accepted length 3.45 | KV connector: 320 tokens supplied, 20 blocks loaded, 31 saved
 
 (the speculative-decoding part only while drafts were verified in the window: the share of draft
 tokens accepted, and the tokens a verifying request gained per step, its bonus token included,
-as vLLM's "mean acceptance length").
+as vLLM's "mean acceptance length"; the KV connector's part only while it moved blocks).
 
 With data parallelism each engine core has its own totals (``engines[i]``, fed by the outputs
 whose ``engine_index`` is ``i``); ``totals`` is their sum, which the log line shows.
@@ -94,6 +94,8 @@ class StatsTotals:
     """Speculative decoding: request-steps that verified drafts."""
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    kv_connector: dict[str, float] = field(default_factory=dict)
+    """The KV connector's counters (``kiln.kv_transfer.STAT_NAMES``), summed."""
 
 
 def spec_decode_rates(
@@ -124,8 +126,14 @@ def sum_totals(engines: list[StatsTotals]) -> StatsTotals:
         total.spec_num_drafts += t.spec_num_drafts
         total.spec_num_draft_tokens += t.spec_num_draft_tokens
         total.spec_num_accepted_tokens += t.spec_num_accepted_tokens
+        _add(total.kv_connector, t.kv_connector)
     total.kv_cache_usage = sum(t.kv_cache_usage for t in engines) / max(1, len(engines))
     return total
+
+
+def _add(totals: dict[str, float], counts: dict[str, float]) -> None:
+    for name, value in counts.items():
+        totals[name] = totals.get(name, 0) + value
 
 
 class StatsRecorder:
@@ -146,6 +154,7 @@ class StatsRecorder:
         self._window_queries = 0
         self._window_hits = 0
         self._window_spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens
+        self._window_connector: dict[str, float] = {}
         self._listeners: list[StatsListener] = []
 
     @property
@@ -185,6 +194,9 @@ class StatsRecorder:
                 window[0] += scheduler_stats.spec_num_drafts
                 window[1] += scheduler_stats.spec_num_draft_tokens
                 window[2] += scheduler_stats.spec_num_accepted_tokens
+            if scheduler_stats.kv_connector_stats:
+                _add(t.kv_connector, scheduler_stats.kv_connector_stats)
+                _add(self._window_connector, scheduler_stats.kv_connector_stats)
         if iteration_stats is not None:
             t.prompt_tokens += iteration_stats.num_prompt_tokens
             t.generation_tokens += iteration_stats.num_generation_tokens
@@ -230,7 +242,15 @@ class StatsRecorder:
                     f" | spec decode: acceptance rate {acceptance:.1%}, mean accepted length "
                     f"{mean_length:.2f}"
                 )
+            connector = self._window_connector
+            if connector:
+                line += (
+                    f" | KV connector: {connector.get('hit_tokens', 0):.0f} tokens supplied, "
+                    f"{connector.get('loaded_blocks', 0):.0f} blocks loaded, "
+                    f"{connector.get('saved_blocks', 0):.0f} saved"
+                )
             logger.info(line)
+        self._window_connector = {}
         self._window_start = now
         self._window_prompt = self._window_generation = 0
         self._window_queries = self._window_hits = 0

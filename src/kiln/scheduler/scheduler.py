@@ -66,11 +66,13 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from kiln.config import KilnConfig
+from kiln.kv_transfer import KVConnectorRole, create_connector
 from kiln.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -159,6 +161,7 @@ class Scheduler(SchedulerInterface):
         a token they sampled, their drafts): failed alone at the next ``update_from_output``."""
         self._num_preemptions = 0
         self._spec_stats = [0, 0, 0]  # drafts, draft tokens, accepted tokens since make_stats()
+        self._connector_stats: dict[str, float] = {}  # KV connector counters since make_stats()
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_grammar = GrammarWaitlist(self.structured_output_manager)
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
@@ -172,6 +175,11 @@ class Scheduler(SchedulerInterface):
         """What each waiting request must pass to start (``kiln.scheduler.admission``)."""
         if config.lora.enable_lora:
             self.admission_rules.append(LoRASlots(config.lora.max_loras))
+        self._sending: dict[str, Request] = {}
+        """Finished requests whose blocks the connector holds until their save is done."""
+        self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
+        """The KV connector's scheduler side (``kiln.kv_transfer``; the null ``NoConnector``
+        without one): blocks beyond the local prefix cache, and the step's transfers."""
 
     @property
     def in_flight(self) -> AbstractSet[str]:
@@ -277,7 +285,7 @@ class Scheduler(SchedulerInterface):
             step.spec_tokens,
             self._grammar_errors,
         )
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
             num_scheduled_tokens=step.num_scheduled_tokens,
@@ -287,6 +295,8 @@ class Scheduler(SchedulerInterface):
             grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=step.spec_tokens,
         )
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         """Running requests first, in scheduling order: a decode gets 1 token (and its drafts),
@@ -350,9 +360,20 @@ class Scheduler(SchedulerInterface):
             if not all(rule.can_admit(request) for rule in rules):
                 break
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            if num_hit_tokens and not all(rule.may_reuse_prefix(request) for rule in rules):
+            num_external = 0
+            if all(rule.may_reuse_prefix(request) for rule in rules):
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit_tokens
+                )
+                if load_async:
+                    raise NotImplementedError(
+                        f"{type(self.connector).__name__} asked for an asynchronous load; Kiln "
+                        "loads within the step (finish them in start_load_kv)"
+                    )
+            else:
                 hit_blocks, num_hit_tokens = [], 0
-            num_new_tokens = request.num_tokens - num_hit_tokens
+            num_computed = num_hit_tokens + num_external
+            num_new_tokens = request.num_tokens - num_computed
             if num_new_tokens > step.token_budget:
                 if (
                     not self.enable_chunked_prefill
@@ -360,14 +381,18 @@ class Scheduler(SchedulerInterface):
                 ):
                     break  # Fits a later step whole.
                 num_new_tokens = step.token_budget
-            lookahead = self._num_lookahead(num_hit_tokens + num_new_tokens)
+            lookahead = self._num_lookahead(num_computed + num_new_tokens)
             block_ids = kv.allocate_slots(
-                request, num_new_tokens, num_hit_tokens, hit_blocks, lookahead
+                request, num_external + num_new_tokens, num_hit_tokens, hit_blocks, lookahead
             )
             if block_ids is None:
                 break
             waiting.pop()
-            step.new_reqs.append(self._start_running(request, block_ids, num_hit_tokens))
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+            if num_external:
+                stats = self._connector_stats
+                stats["hit_tokens"] = stats.get("hit_tokens", 0) + num_external
+            step.new_reqs.append(self._start_running(request, block_ids, num_computed))
             for rule in rules:
                 rule.admit(request)
             step.schedule(request.request_id, num_new_tokens)
@@ -406,6 +431,8 @@ class Scheduler(SchedulerInterface):
         finishes the requests the step failed (``failed_requests``) with finish reason "error".
         Requests finished while the step ran (aborted) are skipped.
         """
+        if model_runner_output.kv_connector_output is not None:
+            self._apply_transfers(model_runner_output.kv_connector_output)
         if model_runner_output.failed_requests or self._grammar_errors:
             self._fail_requests({**model_runner_output.failed_requests, **self._grammar_errors})
             self._grammar_errors.clear()
@@ -498,6 +525,7 @@ class Scheduler(SchedulerInterface):
         prefix_stats = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
         (num_drafts, num_draft_tokens, num_accepted), self._spec_stats = self._spec_stats, [0, 0, 0]
+        connector_stats, self._connector_stats = self._connector_stats, {}
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -508,6 +536,7 @@ class Scheduler(SchedulerInterface):
             spec_num_drafts=num_drafts,
             spec_num_draft_tokens=num_draft_tokens,
             spec_num_accepted_tokens=num_accepted,
+            kv_connector_stats=connector_stats,
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -616,9 +645,24 @@ class Scheduler(SchedulerInterface):
             request.num_preemptions,
         )
 
+    def _apply_transfers(self, report: KVConnectorOutput) -> None:
+        """The connector's report: free the blocks of requests whose save finished; keep its
+        counters for ``make_stats``."""
+        for request_id in report.finished_sending:
+            request = self._sending.pop(request_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        for name, value in report.stats.items():
+            self._connector_stats[name] = self._connector_stats.get(name, 0) + value
+
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
-        self.kv_cache_manager.free(request)
+        block_ids = self.kv_cache_manager.get_block_ids(request_id)
+        hold, _ = self.connector.request_finished(request, block_ids)
+        if hold:  # freed when the worker reports the save done (_free_sent)
+            self._sending[request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)

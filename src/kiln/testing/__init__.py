@@ -164,3 +164,36 @@ def compare_greedy(
     if not problems:
         return None
     return f"{platform} against the reference cpu platform, teacher-forced: " + "; ".join(problems)
+
+
+def compare_connector_run(
+    got: dict[str, Any], want: dict[str, Any], tolerance: LogitsTolerance | None = None
+) -> str | None:
+    """None when the ``kv_connector`` check's run with the connector (``got``) gives what the
+    run without one (``want``) gave, else what differs: the connector must have supplied tokens,
+    and the tokens must be equal, their log-probabilities within 1e-4 (without ``tolerance``);
+    with ``tolerance``, log-probabilities within its ``max_logprob_diff`` up to the first token
+    that differs."""
+    hit_tokens = got["connector_stats"].get("hit_tokens", 0)
+    if not hit_tokens or got["cached_tokens"][2] <= want["cached_tokens"][2]:
+        return (
+            f"the connector supplied no token of the prompt that came back (cached tokens "
+            f"{got['cached_tokens']} with it, {want['cached_tokens']} without; its counters "
+            f"{got['connector_stats']})"
+        )
+    limit = 1e-4 if tolerance is None else tolerance.max_logprob_diff
+    for index, (tokens, ref_tokens) in enumerate(zip(got["tokens"], want["tokens"], strict=True)):
+        if tolerance is None and tokens != ref_tokens:
+            return f"prompt {index}: tokens {tokens} with the connector, {ref_tokens} without"
+        pairs = zip(
+            tokens, ref_tokens, got["logprobs"][index], want["logprobs"][index], strict=True
+        )
+        for position, (token, ref_token, logprob, ref_logprob) in enumerate(pairs):
+            if token != ref_token:
+                break
+            if abs(logprob - ref_logprob) > limit:
+                return (
+                    f"prompt {index}, token {position}: logprob {logprob} with the connector, "
+                    f"{ref_logprob} without (more than {limit} apart)"
+                )
+    return None

@@ -9,6 +9,8 @@ PLATFORM [ARG]`` prints one JSON object on its last line.
   ``LLM`` on the platform with a token budget of 16 (chunked prefill, prefix-cache hits), and the
   teacher-forced log-probabilities of the reference platform's completions; the kit compares them
   with the same run on the reference cpu platform (``kiln.testing.compare_greedy``).
+- ``kv_connector``: a prefix evicted from the paged cache and loaded through a KV connector gives
+  the tokens and log-probabilities that recomputing it gives.
 - ``scheduler``, ``communicator``: the contracts of the platform's scheduler and communicator,
   without a model (``kiln.testing.contracts``).
 """
@@ -260,12 +262,63 @@ def _teacher_forced(llm: Any, prompts: list[list[int]], completions: list[list[i
     return result
 
 
+CONNECTOR_PROMPTS = [
+    GREEDY_PREFIX + " " + " ".join(f"Question {i}: what comes after {i}?" for i in range(9)),
+    "A second, unrelated conversation about pottery: "
+    + " ".join(f"glaze number {i} is fired at {900 + 10 * i} degrees," for i in range(8)),
+]
+"""Two prompts of about 100 tokens that share no block; ``CONNECTOR_KV_GIB`` holds one of
+them, so each evicts the other from the paged cache."""
+CONNECTOR_KV_GIB = 0.008
+"""About 11 blocks of the default model in float32."""
+DEFAULT_CONNECTOR = {
+    "kv_connector": "OffloadingConnector",
+    "kv_connector_extra_config": {"cpu_bytes": 1 << 28},
+}
+
+
+def check_kv_connector(platform: str, kv_transfer_json: str | None = None) -> dict[str, Any]:
+    """A KV connector gives what recomputing gives: the default model (float32, greedy, with
+    logprobs) runs ``CONNECTOR_PROMPTS`` as A, B, A (the second A's prefix left the paged cache)
+    with the connector in ``kv_transfer_json`` (default: the offloading connector) and without
+    one; returns both runs' tokens, logprobs and cached-token counts, and the connector's
+    counters."""
+    from kiln import LLM, SamplingParams
+
+    connector = json.loads(kv_transfer_json) if kv_transfer_json else DEFAULT_CONNECTOR
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [CONNECTOR_PROMPTS[0], CONNECTOR_PROMPTS[1], CONNECTOR_PROMPTS[0]]
+    runs = {}
+    for name, kv_transfer in (("connector", connector), ("none", None)):
+        llm = LLM(
+            platform=platform,
+            dtype="float32",
+            kv_cache_memory=CONNECTOR_KV_GIB,
+            max_model_len=160,
+            kv_transfer_config=kv_transfer,
+        )
+        completions = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        outputs = [c.outputs[0] for c in completions]
+        runs[name] = {
+            "tokens": [list(o.token_ids) for o in outputs],
+            "logprobs": [
+                [pos[t].logprob for pos, t in zip(o.logprobs or (), o.token_ids, strict=True)]
+                for o in outputs
+            ],
+            "cached_tokens": [c.num_cached_tokens for c in completions],
+            "connector_stats": dict(llm.llm_engine.stats.totals.kv_connector),
+        }
+        del llm
+    return {"platform": platform, **runs}
+
+
 CHECKS = {
     "idempotence": check_idempotence,
     "ops": check_ops,
     "greedy": check_greedy,
     "scheduler": check_scheduler,
     "communicator": check_communicator,
+    "kv_connector": check_kv_connector,
 }
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ op's examples; and the default model (float32) generates the reference cpu platf
 tokens with a token budget of 16 (chunked prefill mixed with decodes) and prompts that share a
 prefix (prefix-cache hits); the scheduler keeps its token budget and finishes every request
 against a fake runner; the communicator's collectives give the documented results in three
-processes (``kiln.testing.contracts``). Kiln's own test suite runs each check against a
-deliberately broken plugin and sees it fail. Its cost: about two model loads and a few hundred
-tokens per platform, and four short processes without a model.
+processes (``kiln.testing.contracts``); a prefix that left the paged cache and comes back
+through Kiln's offloading connector gives the tokens recomputing it gives. Kiln's own test suite
+runs each check against a deliberately broken plugin and sees it fail. Its cost: about four
+model loads and a few hundred tokens per platform, and four short processes without a model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 
 from kiln.testing import (
     LogitsTolerance,
+    compare_connector_run,
     compare_greedy,
     plugin_report,
     reference_greedy,
@@ -48,6 +50,7 @@ __all__ = [
     "test_greedy_tokens_match_the_reference_platform",
     "test_scheduler_keeps_its_contract",
     "test_communicator_keeps_its_contract",
+    "test_kv_connector_loads_what_recomputing_gives",
 ]
 
 
@@ -142,3 +145,16 @@ def test_communicator_keeps_its_contract(kiln_platform: str, kiln_platform_env: 
     the class makes itself (for a class that takes ``ranks``)."""
     result = run_check("communicator", kiln_platform, kiln_platform_env)
     assert not result["problems"], f"{result['communicator_cls']}: " + "\n".join(result["problems"])
+
+
+def test_kv_connector_loads_what_recomputing_gives(
+    kiln_platform: str, kiln_platform_env: dict, kiln_logits_tolerance: LogitsTolerance | None
+) -> None:
+    """The default model (float32, greedy) with the offloading connector: a prompt whose prefix
+    left the paged cache loads it from the CPU tier (copies of the platform's KV-cache blocks
+    along its backend's block dimension) and gets the tokens, and within 1e-4 (or
+    ``kiln_logits_tolerance``) the log-probabilities, that the same run without a connector
+    gets by recomputing."""
+    result = run_check("kv_connector", kiln_platform, kiln_platform_env)
+    problem = compare_connector_run(result["connector"], result["none"], kiln_logits_tolerance)
+    assert problem is None, problem

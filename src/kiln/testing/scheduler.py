@@ -15,6 +15,7 @@ from typing import Any
 from kiln.config import (
     CacheConfig,
     KilnConfig,
+    KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -39,17 +40,26 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     speculative: SpeculativeConfig | None = None,
     structured_outputs: StructuredOutputsConfig | None = None,
+    kv_transfer: KVTransferConfig | None = None,
+    bytes_per_block: int = 1024,
     tokenizer: Any = None,
 ) -> Scheduler:
     """A ``Scheduler`` over ``num_blocks`` KV blocks of ``block_size`` slots.
 
     Args:
+        kv_transfer: a KV connector's config (none by default).
+        bytes_per_block: what the engine core would have measured (``cache.bytes_per_block``,
+            which sizes a connector's CPU tier in blocks).
         tokenizer: handed to the structured-output manager, which otherwise loads the model's
             tokenizer itself (as the engine core does); needed only by grammar requests.
     """
     config = KilnConfig(
         model=ModelConfig(max_model_len=max_model_len),
-        cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        cache=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            bytes_per_block=bytes_per_block,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -57,6 +67,7 @@ def make_scheduler(
         ),
         speculative=speculative or SpeculativeConfig(),
         structured_outputs=structured_outputs or StructuredOutputsConfig(),
+        kv_transfer=kv_transfer or KVTransferConfig(),
     )
     scheduler = Scheduler(config, num_blocks)
     if tokenizer is not None:

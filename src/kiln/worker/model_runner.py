@@ -40,11 +40,13 @@ import torch
 from kiln.config import KilnConfig, set_current_config
 from kiln.distributed.parallel_state import SINGLE_STAGE, get_pp_group
 from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.kv_transfer import KVConnectorRole, create_connector
 from kiln.lora.model_manager import LoRAModelManager
 from kiln.messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from kiln.model_executor.layers.attention import (
     CommonAttentionMetadata,
     allocate_kv_caches,
+    kv_cache_block_dim,
     resolve_attn_backend,
 )
 from kiln.model_executor.loader import resolve_model_ref
@@ -57,7 +59,13 @@ from kiln.worker.graph import graph_capture_sizes, no_capture_reason, padded_siz
 from kiln.worker.input_batch import InputBatch
 from kiln.worker.output import FollowLastStage, OutputStage, SamplingOutput
 from kiln.worker.sampling import PlainSampling, SpeculativeSampling
-from kiln.worker.stages import GrammarMask, LoRAStage, PromptLogprobs, RunnerStage
+from kiln.worker.stages import (
+    GrammarMask,
+    KVConnectorStage,
+    LoRAStage,
+    PromptLogprobs,
+    RunnerStage,
+)
 from kiln.worker.step_plan import StepPlan
 from kiln.worker.worker_base import ModelRunnerBase
 
@@ -85,6 +93,10 @@ class ModelRunner(ModelRunnerBase):
         self.lora: RunnerStage = RunnerStage()
         """``LoRAStage`` with ``lora.enable_lora`` (set by ``load_model``), else the null stage."""
         self.prompt_logprobs = PromptLogprobs()
+        self.kv_connector: RunnerStage = RunnerStage()
+        """``KVConnectorStage`` with ``kv_transfer.kv_connector``, else the null stage."""
+        if config.kv_transfer.kv_connector is not None:
+            self.kv_connector = KVConnectorStage(create_connector(config, KVConnectorRole.WORKER))
         self.output: OutputStage = FollowLastStage()
         """What this rank makes of the forward (``SamplingOutput`` on the last pipeline stage);
         set by ``load_model``."""
@@ -102,7 +114,7 @@ class ModelRunner(ModelRunnerBase):
     def stages(self) -> tuple[RunnerStage, ...]:
         """The stages whose hooks run at set-up, on the batch's diff and before each forward,
         in this order."""
-        return (self.sampling, self.lora, self.prompt_logprobs)
+        return (self.sampling, self.lora, self.kv_connector, self.prompt_logprobs)
 
     # -- set-up ------------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -154,8 +166,10 @@ class ModelRunner(ModelRunnerBase):
         self.kv_caches = allocate_kv_caches(
             self.model, self.attn_backend, num_blocks, self.block_size, self.dtype, self.device
         )
+        block_dim = kv_cache_block_dim(self.attn_backend)
         for stage in self.stages:
             stage.initialize_kv_cache(num_blocks)
+            stage.register_kv_caches(self.kv_caches, block_dim)
         self.attention_layers = self.model.attention_layers()
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
@@ -177,6 +191,8 @@ class ModelRunner(ModelRunnerBase):
             return EMPTY_MODEL_RUNNER_OUTPUT
         plan = self._prepare(scheduler_output)
         hidden_states = self._forward(plan)
+        for stage in self.stages:
+            stage.after_forward(plan)
         sampled = self.output.sample(plan, hidden_states)
         return self.output.commit(plan, sampled)
 
@@ -253,7 +269,10 @@ class ModelRunner(ModelRunnerBase):
             input_ids, positions = _pad(input_ids, graph_size), _pad(positions, graph_size)
             model = self.runnable
         context = ForwardContext(
-            attn_metadata, len(input_ids), attention_layers=self.attention_layers
+            attn_metadata,
+            len(input_ids),
+            attention_layers=self.attention_layers,
+            kv_connector=plan.kv_connector,
         )
         with set_forward_context(context):
             return model(input_ids, positions)

@@ -142,6 +142,7 @@ class SamplingOutput(OutputStage):
             prompt_logprobs_dict=sampled.prompt_logprobs,
             spec_token_ids=self.strategy.propose(batch, plan.rows, sampled_token_ids),
             failed_requests=plan.failed_requests,
+            kv_connector_output=plan.kv_connector_output,
         )
 
 

@@ -6,8 +6,9 @@ forward (``before_forward``). The base class does nothing at every hook: it is t
 runner holds where a feature is off, so the step never asks whether a feature is on. The runner
 calls every stage's hook in its ``stages`` order.
 
-Stages here: ``LoRAStage`` (a step's adapter slots), ``PromptLogprobs`` (prompt logprobs gathered
-over prefill chunks) and ``GrammarMask`` (the scheduler's grammar bitmask over the logits). The
+Stages here: ``LoRAStage`` (a step's adapter slots), ``KVConnectorStage`` (a KV connector's loads
+and saves around the forward), ``PromptLogprobs`` (prompt logprobs gathered over prefill chunks)
+and ``GrammarMask`` (the scheduler's grammar bitmask over the logits). The
 sampling strategies (``kiln.worker.sampling``) are stages too.
 
 A stage knows the part of the step it serves and nothing of scheduling policy.
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.kv_transfer import KVConnectorBase
 from kiln.lora.model_manager import LoRAModelManager
-from kiln.messages import LogprobsLists, NewRequestData
+from kiln.messages import KVConnectorOutput, LogprobsLists, NewRequestData
 from kiln.model_executor.layers.token_bitmask import ApplyTokenBitmask
 from kiln.sampling.sampler import compute_prompt_logprobs
 
@@ -43,6 +45,9 @@ class RunnerStage:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """The KV cache of ``num_blocks`` blocks is allocated."""
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
+        """The target's caches by layer name (dimension ``block_dim`` indexes blocks)."""
+
     def add_requests(self, new_reqs: list[NewRequestData]) -> None:
         """New or resumed requests joined the batch (a resumed one starts afresh)."""
 
@@ -52,6 +57,9 @@ class RunnerStage:
     def before_forward(self, plan: StepPlan) -> None:
         """Prepare the step's forward; a request that fails here goes into
         ``plan.failed_requests``."""
+
+    def after_forward(self, plan: StepPlan) -> None:
+        """The forward has written the step's keys and values (before sampling)."""
 
 
 class LoRAStage(RunnerStage):
@@ -70,6 +78,41 @@ class LoRAStage(RunnerStage):
 
     def before_forward(self, plan: StepPlan) -> None:
         plan.failed_requests.update(self.manager.set_active_loras(plan.req_ids, plan.num_scheduled))
+
+
+class KVConnectorStage(RunnerStage):
+    """A KV connector's worker side around the forward (``kiln.kv_transfer``): the step's
+    loads before it, its saves after it, and the report for the scheduler."""
+
+    def __init__(self, connector: KVConnectorBase) -> None:
+        self.connector = connector
+        self._finished: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
+        self.connector.register_kv_caches(kv_caches, block_dim)
+
+    def remove_requests(self, req_ids: list[str]) -> None:
+        self._finished.update(req_ids)
+
+    def before_forward(self, plan: StepPlan) -> None:
+        connector = self.connector
+        connector.bind_connector_metadata(plan.scheduler_output.kv_connector_metadata)
+        connector.start_load_kv()
+        if connector.uses_layer_hooks:
+            plan.kv_connector = connector
+
+    def after_forward(self, plan: StepPlan) -> None:
+        connector = self.connector
+        connector.wait_for_save()
+        finished, self._finished = self._finished, set()
+        sending, recving = connector.get_finished(finished)
+        plan.kv_connector_output = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=connector.get_block_ids_with_load_errors(),
+            stats=connector.take_stats(),
+        )
+        connector.clear_connector_metadata()
 
 
 class PromptLogprobs(RunnerStage):

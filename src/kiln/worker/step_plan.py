@@ -12,12 +12,12 @@ This module holds data only: no model, no device work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kiln.messages import LogprobsLists, SchedulerOutput
+from kiln.messages import KVConnectorOutput, LogprobsLists, SchedulerOutput
 from kiln.model_executor.layers.attention import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -55,6 +55,10 @@ class StepPlan:
     """[R] int64: request ``i``'s first logits row (its rows are ``logits_starts[i] ..``)."""
     failed_requests: dict[str, str] = field(default_factory=dict)
     """Requests that failed in this step for a reason of their own (a stage fills it)."""
+    kv_connector: Any = None
+    """The KV connector whose layer hooks the attention layers call this step (None: none)."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """The KV connector's report of the step (its stage fills it after the forward)."""
 
     @property
     def num_reqs(self) -> int:

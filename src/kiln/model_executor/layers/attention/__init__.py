@@ -11,6 +11,7 @@ from kiln.model_executor.layers.attention.backend import (
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    kv_cache_block_dim,
     validate_attention_backend,
 )
 from kiln.model_executor.layers.attention.layer import (
@@ -32,6 +33,7 @@ __all__ = [
     "bind_kv_cache",
     "get_attention_layers",
     "get_attn_backend",
+    "kv_cache_block_dim",
     "resolve_attn_backend",
     "validate_attention_backend",
 ]

@@ -269,7 +269,27 @@ def validate_attention_backend(backend_cls: object) -> type[AttentionBackend]:
         numel *= d
     if numel < 2 * 3 * 16 * 2 * 8:
         raise TypeError(f"{name}.get_kv_cache_shape(3, 16, 2, 8) = {shape} has no room for K and V")
+    kv_cache_block_dim(backend_cls)
     return backend_cls
+
+
+def kv_cache_block_dim(backend_cls: type[AttentionBackend]) -> int:
+    """The dimension of ``backend_cls``'s KV-cache tensor that indexes blocks: the one dimension
+    that grows with ``num_blocks``, found by asking its ``get_kv_cache_shape`` twice.
+
+    Raises:
+        TypeError: no single dimension is the block count (a copy of whole blocks, as KV
+            connectors make, could not index it).
+    """
+    small = backend_cls.get_kv_cache_shape(3, 16, 2, 8)
+    large = backend_cls.get_kv_cache_shape(5, 16, 2, 8)
+    dims = [i for i, (a, b) in enumerate(zip(small, large, strict=True)) if a != b]
+    if len(dims) != 1 or (small[dims[0]], large[dims[0]]) != (3, 5):
+        raise TypeError(
+            f"{backend_cls.__qualname__}.get_kv_cache_shape has no block dimension "
+            f"(num_blocks 3 -> {small}, 5 -> {large})"
+        )
+    return dims[0]
 
 
 def _check_accepts(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], owner: str) -> None:

@@ -119,7 +119,13 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        return self.impl.forward(self, query, key, value, self.kv_cache, context.attn_metadata)
+        connector = context.kv_connector
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_name)
+        output = self.impl.forward(self, query, key, value, self.kv_cache, context.attn_metadata)
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, self.kv_cache, context.attn_metadata)
+        return output
 
     def extra_repr(self) -> str:
         return (
