@@ -225,10 +225,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention_cls(
             args, layer_idx, rotary_emb, dtype, quant_config, join_prefix(prefix, "self_attn")
         )
-        self.mlp = LlamaMLP(args, dtype, quant_config, join_prefix(prefix, "mlp"))
+        self.mlp = self.make_mlp(args, layer_idx, dtype, quant_config, join_prefix(prefix, "mlp"))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.residual_multiplier = args.residual_multiplier
+
+    def make_mlp(
+        self,
+        args: DecoderArgs,
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> nn.Module:
+        """The block's feed-forward module, ``[T, hidden] -> [T, hidden]`` (MoE models
+        override it: a sparse block on some layers)."""
+        return LlamaMLP(args, dtype, quant_config, prefix)
 
     def forward(
         self,
