@@ -140,3 +140,30 @@ def test_top_k_above_the_number_of_experts_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         MixtralForCausalLM.parse_config(config)
+
+
+@pytest.mark.slow
+def test_kiln_serve_answers_with_transformers_greedy_tokens(tmp_path, gguf_path, hf_ref) -> None:
+    """Qwen3-MoE (a dense and a sparse layer) behind ``kiln serve``, asked with the official
+    ``openai`` client: the completion's token ids are transformers' greedy ones."""
+    import openai
+
+    from kiln.testing.server import BASE_ARGS, KilnServer
+
+    folder = save_moe_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    server = KilnServer([folder, "--tokenizer", gguf_path, *BASE_ARGS], start_timeout=600)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+        for prompt in PROMPTS[:2]:
+            completion = client.completions.create(
+                model=folder,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            token_ids = completion.choices[0].model_extra["token_ids"]
+            assert token_ids == hf_ref.greedy(hf_model, prompt, 16)
+    finally:
+        server.stop()
