@@ -167,3 +167,21 @@ def test_kiln_serve_answers_with_transformers_greedy_tokens(tmp_path, gguf_path,
             assert token_ids == hf_ref.greedy(hf_model, prompt, 16)
     finally:
         server.stop()
+
+
+def test_stacked_expert_tensors_load_as_the_per_expert_ones(family) -> None:
+    """transformers 5 holds (and may save) the experts stacked (``mlp.experts.gate_up_proj``
+    [E, 2I, H], ``mlp.experts.down_proj``, Mixtral's block as ``mlp``): loaded from its
+    in-memory state dict, Kiln's model equals the one loaded from the per-expert folder."""
+    from kiln.model_executor.model_loader import load_model
+
+    _, folder, hf_model = family
+    model, config = load_model(folder, torch.float32)
+    names = list(hf_model.state_dict())
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    stacked = type(model)(config, torch.float32)
+    loaded = stacked.load_weights(hf_model.state_dict().items())
+    assert loaded == {name for name, _ in stacked.named_parameters()}
+    want = dict(model.named_parameters())
+    for name, param in stacked.named_parameters():
+        assert torch.equal(param, want[name]), name
