@@ -17,7 +17,8 @@ Contract, shared by every model in this package:
 Models know nothing about scheduling, sampling, devices or the weight file format. Variants
 (Qwen2, Qwen3, Granite, OLMo 2, Phi-3) reuse these blocks: they change ``DecoderArgs`` (biases,
 sliding windows, scales) through ``parse_config`` / ``sliding_windows``, the attention class
-through ``attention_cls`` and the block through ``decoder_layer_cls``.
+through ``attention_cls``, the block through ``decoder_layer_cls`` and its feed-forward module
+through the block's ``make_mlp`` (the MoE models: ``kiln.model_executor.models.moe``).
 """
 
 from __future__ import annotations
