@@ -26,6 +26,13 @@ TOKEN_PROMPTS = [
     {"prompt_token_ids": [(11 * i) % 257 for i in range(1, 40)]},
 ]
 
+MOE_CONFIGS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, mlp_only_layers=[0]
+    ),
+}
+
 
 def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
     llm = LLM(
@@ -53,6 +60,8 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         ("olmo2", 4),
         ("olmo2", 1),
         ("phi3", 4),
+        ("mixtral", 4),
+        ("qwen3_moe", 4),
     ],
     ids=[
         "llama-4kv",
@@ -62,6 +71,8 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         "olmo2-4kv",  # q/k norms over the whole projections: statistics summed over ranks
         "olmo2-1kv-replicated",
         "phi3-4kv",  # fused checkpoint projections split per rank
+        "mixtral-4kv",  # experts' intermediate dimension split per rank
+        "qwen3_moe-4kv",  # and a dense layer beside the sparse one
     ],
 )
 def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
@@ -78,6 +89,7 @@ def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
         random_norms=True,  # a norm weight sharded wrongly cannot hide behind ones
         # Phi-3's default special tokens (32000) lie outside the small vocabulary.
         **({"pad_token_id": None, "eos_token_id": 2} if model_type == "phi3" else {}),
+        **MOE_CONFIGS.get(model_type, {}),
     )
     tp1 = _greedy(folder, 1, TOKEN_PROMPTS, tokenizer=gguf_path)
     tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)

@@ -14,10 +14,12 @@ _BUILTIN_MODELS = {
     "GraniteForCausalLM": "kiln.model_executor.models.granite.GraniteForCausalLM",
     "LlamaForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
     "MistralForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
+    "MixtralForCausalLM": "kiln.model_executor.models.mixtral.MixtralForCausalLM",
     "Olmo2ForCausalLM": "kiln.model_executor.models.olmo2.Olmo2ForCausalLM",
     "Phi3ForCausalLM": "kiln.model_executor.models.phi3.Phi3ForCausalLM",
     "Qwen2ForCausalLM": "kiln.model_executor.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kiln.model_executor.models.qwen3.Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "kiln.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM",
 }
 MODEL_REGISTRY: Registry[str] = Registry("model", builtins=_BUILTIN_MODELS)
 

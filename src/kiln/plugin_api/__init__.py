@@ -210,6 +210,18 @@ API: dict[str, dict[str, ApiName]] = {
             "kiln.model_executor.layers.token_bitmask", "op `apply_token_bitmask`"
         ),
         "LoRAApply": ApiName("kiln.model_executor.layers.lora", "op `lora_apply`"),
+        "FusedMoE": ApiName(
+            "kiln.model_executor.layers.fused_moe",
+            "op `fused_moe`: the routed experts of an MoE layer (`w13_weight [E, 2I, H]`, "
+            "`w2_weight [E, H, I]`, `top_k`, `renormalize`, `scoring_func`); the layer "
+            "all-reduces the op's result over tensor-parallel ranks and adds shared experts",
+        ),
+        "select_experts": ApiName(
+            "kiln.model_executor.layers.fused_moe",
+            "`select_experts(router_logits, top_k, renormalize, scoring_func) -> (weights [T, "
+            "top_k] float32, ids [T, top_k] int64)`: the op's routing, for an implementation "
+            "that routes in torch and runs only the experts itself",
+        ),
     },
     "Linear methods and quantization": {
         "LinearMethodBase": ApiName(

@@ -67,9 +67,15 @@ def family(request, tmp_path_factory):
 
 def test_greedy_tokens_and_logprobs_match_transformers(family, gguf_path, hf_ref) -> None:
     folder, hf_model = family
+    check_against_transformers(folder, hf_model, gguf_path, hf_ref)
+
+
+def check_against_transformers(folder: str, hf_model, tokenizer: str, hf_ref) -> None:
+    """Kiln's float32 greedy tokens and logprobs on ``PROMPTS`` against ``hf_model``'s (the MoE
+    families' tests call it too)."""
     llm = LLM(
         folder,
-        tokenizer=gguf_path,
+        tokenizer=tokenizer,
         dtype="float32",
         kv_cache_memory=0.02,
         max_model_len=256,

@@ -10,9 +10,10 @@ compiler): callers then keep the reference implementations. ``python -m kiln_x86
 builds it ahead of time (Kiln's set-up script does). ``load_extension(stem, source)`` builds
 and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kiln_x86.attention``;
 ``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``; ``x86_lora.cpp``:
-``kiln_x86.lora``). An extension with an ``attach_pool`` function runs its parallel loops on
-the work pool of ``x86_gemv.cpp`` (``csrc/work_pool.h``), attached as it loads: the process has
-one set of helper threads (``x86.helper_threads``), whichever kernels they serve.
+``kiln_x86.lora``; ``x86_moe.cpp``: ``kiln_x86.moe``). An extension with an ``attach_pool``
+function runs its parallel loops on the work pool of ``x86_gemv.cpp`` (``csrc/work_pool.h``),
+attached as it loads: the process has one set of helper threads (``x86.helper_threads``),
+whichever kernels they serve.
 """
 
 from __future__ import annotations
@@ -191,6 +192,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from kiln_x86.gemv import load_gemv_kernels  # csrc/x86_gemv.cpp (tiled int8 matmul)
     from kiln_x86.lora import load_lora_kernels  # csrc/x86_lora.cpp (LoRA at decode sizes)
+    from kiln_x86.moe import load_moe_kernels  # csrc/x86_moe.cpp (fused_moe at decode sizes)
     from kiln_x86.quant import load_quant_kernels  # csrc/x86_quant.cpp (GGUF matmul)
 
     built = (
@@ -199,6 +201,7 @@ if __name__ == "__main__":
         and load_quant_kernels()
         and load_gemv_kernels()
         and load_lora_kernels()
+        and load_moe_kernels()
     )
     print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
     raise SystemExit(0 if built else 1)

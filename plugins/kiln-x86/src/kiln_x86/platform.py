@@ -233,12 +233,14 @@ class X86Platform(CpuPlatform):
         from kiln.plugin_api import PLUGIN_CONFIG_REGISTRY
         from kiln_x86.dense import register_dense_ops
         from kiln_x86.lora import register_x86_lora
+        from kiln_x86.moe import register_x86_moe
         from kiln_x86.ops import register_x86_ops
 
         super().register_ops()
         register_x86_ops()
         register_dense_ops()
         register_x86_lora()
+        register_x86_moe()
         # Accept the reference platform's section too, so that its documented
         # --plugin-config '{"cpu": {"num_threads": N}}' keeps working where x86 is selected.
         PLUGIN_CONFIG_REGISTRY.declare(CPU_SECTION, CpuOptions)

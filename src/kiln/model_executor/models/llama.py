@@ -17,7 +17,8 @@ Contract, shared by every model in this package:
 Models know nothing about scheduling, sampling, devices or the weight file format. Variants
 (Qwen2, Qwen3, Granite, OLMo 2, Phi-3) reuse these blocks: they change ``DecoderArgs`` (biases,
 sliding windows, scales) through ``parse_config`` / ``sliding_windows``, the attention class
-through ``attention_cls`` and the block through ``decoder_layer_cls``.
+through ``attention_cls``, the block through ``decoder_layer_cls`` and its feed-forward module
+through the block's ``make_mlp`` (the MoE models: ``kiln.model_executor.models.moe``).
 """
 
 from __future__ import annotations
@@ -225,10 +226,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention_cls(
             args, layer_idx, rotary_emb, dtype, quant_config, join_prefix(prefix, "self_attn")
         )
-        self.mlp = LlamaMLP(args, dtype, quant_config, join_prefix(prefix, "mlp"))
+        self.mlp = self.make_mlp(args, layer_idx, dtype, quant_config, join_prefix(prefix, "mlp"))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.residual_multiplier = args.residual_multiplier
+
+    def make_mlp(
+        self,
+        args: DecoderArgs,
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> nn.Module:
+        """The block's feed-forward module, ``[T, hidden] -> [T, hidden]`` (MoE models
+        override it: a sparse block on some layers)."""
+        return LlamaMLP(args, dtype, quant_config, prefix)
 
     def forward(
         self,

@@ -20,27 +20,13 @@
 #include <vector>
 
 #include "bf16.h"
+#include "dot.h"
 
 namespace {
 
+using kiln_x86::dot;
 using kiln_x86::round_to;
 using kiln_x86::to_float;
-
-constexpr int kLanes = 16;
-
-// sum_i a[i] * x[i] in float32 with kLanes partial sums (a loop the compiler vectorizes).
-template <typename T>
-float dot(const T* a, const float* x, int64_t n) {
-  float part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) part[j] += to_float(a[i + j]) * x[i + j];
-  }
-  float sum = 0.f;
-  for (int j = 0; j < kLanes; ++j) sum += part[j];
-  for (; i < n; ++i) sum += to_float(a[i]) * x[i];
-  return sum;
-}
 
 template <typename T>
 void lora_apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
