@@ -16,7 +16,8 @@ import pytest
 from kiln.config import KVTransferConfig
 from kiln.kv_transfer import KV_CONNECTOR_REGISTRY, NoConnector
 from kiln.kv_transfer.offloading import OffloadingConnector, OffloadingMetadata
-from kiln.messages import ModelRunnerOutput, SchedulerOutput
+from kiln.messages import FinishReason, KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kiln.scheduler.request import RequestStatus
 from kiln.scheduler.scheduler import Scheduler
 from kiln.testing.scheduler import BLOCK_SIZE, make_request, make_scheduler
 
@@ -198,3 +199,48 @@ def test_local_hits_keep_their_blocks_in_the_tier():
     request = make_request("a3", prompt_a)
     scheduler.kv_cache_manager.get_computed_blocks(request)
     assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (12, False)
+
+
+class FailingLoadsRunner(TieredRunner):
+    """Reports every block it loads as failed (it still writes the right tokens, so
+    ``check_kv`` passes: what is tested is what the scheduler makes of the report)."""
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        output = super().execute(so)
+        metadata: OffloadingMetadata | None = so.kv_connector_metadata
+        if metadata is not None and metadata.loads:
+            failed = {block_id for _, block_id in metadata.loads}
+            output.kv_connector_output = KVConnectorOutput(invalid_block_ids=failed)
+        return output
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_loads_recompute_or_fail_the_request(policy):
+    config = offloading(64)
+    config = KVTransferConfig(**{**config.__dict__, "kv_load_failure_policy": policy})
+    scheduler = make_scheduler(13, kv_transfer=config)
+    runner = FailingLoadsRunner()
+    prompt_a = distinct_prompt(0, 40)
+    first = run(scheduler, runner, make_request("a1", prompt_a))
+    run(scheduler, runner, make_request("b1", distinct_prompt(1, 40)))
+    scheduler.add_request(make_request("a2", prompt_a))
+    so = scheduler.schedule()
+    assert len(so.kv_connector_metadata.loads) == 8
+    outputs = scheduler.update_from_output(so, runner.execute(so))
+    assert outputs.scheduler_stats.kv_connector_stats["failed_loads"] == 1
+    # The step's token is dropped either way: it came from KV the runner could not load.
+    if policy == "fail":
+        (failed,) = outputs.outputs
+        assert failed.finish_reason == FinishReason.ERROR and failed.new_token_ids == []
+        assert scheduler.requests == {}
+        return
+    assert outputs.outputs == [] and scheduler.requests["a2"].status == RequestStatus.PREEMPTED
+    assert "a2" in scheduler.finished_req_ids  # the runner drops its state
+    so = scheduler.schedule()  # readmitted: the blocks after the paged hit are computed
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4
+    assert not so.kv_connector_metadata or not so.kv_connector_metadata.loads  # not asked again
+    outputs = scheduler.update_from_output(so, runner.execute(so))
+    tokens, _, _ = run_all(scheduler, runner)
+    assert [t for o in outputs.outputs for t in o.new_token_ids] + tokens.get("a2", []) == first[
+        "a1"
+    ]

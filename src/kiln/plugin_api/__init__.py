@@ -352,6 +352,31 @@ API: dict[str, dict[str, ApiName]] = {
             "kiln.reasoning", "a parser of `start_tag` ... `end_tag`, to subclass"
         ),
     },
+    "KV connectors": {
+        "KV_CONNECTOR_REGISTRY": ApiName(
+            "kiln.kv_transfer.registry",
+            '`KV_CONNECTOR_REGISTRY.register("MyConnector", "pkg.mod.MyConnector")` in a general '
+            'plugin; `--kv-transfer-config \'{"kv_connector": "MyConnector"}\'`',
+        ),
+        "KVConnectorBase": ApiName(
+            "kiln.kv_transfer.base",
+            "the connector base, one class for both roles (docs/kv-connectors.md): scheduler "
+            "side `get_num_new_matched_tokens`, `update_state_after_alloc`, "
+            "`build_connector_meta`, `request_finished`; worker side `register_kv_caches`, "
+            "`start_load_kv`, `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`, "
+            "`get_finished`, `get_block_ids_with_load_errors`, `take_stats`",
+        ),
+        "KVConnectorRole": ApiName(
+            "kiln.kv_transfer.base", "`SCHEDULER` or `WORKER`: the side an instance serves"
+        ),
+        "OffloadingConnector": ApiName(
+            "kiln.kv_transfer.offloading",
+            "Kiln's CPU tier (`--kv-offloading-size`), to subclass for another tier",
+        ),
+        "KVConnectorOutput": ApiName(
+            "kiln.messages", "a step's report of the worker side, as the scheduler reads it"
+        ),
+    },
     "Patches (last resort)": {
         "register_patch": ApiName(
             "kiln.patches",

@@ -177,6 +177,9 @@ class Scheduler(SchedulerInterface):
             self.admission_rules.append(LoRASlots(config.lora.max_loras))
         self._sending: dict[str, Request] = {}
         """Finished requests whose blocks the connector holds until their save is done."""
+        self.kv_load_failure_policy = config.kv_transfer.kv_load_failure_policy
+        self._load_failed: set[str] = set()
+        """Requests recomputed after a failed load: the connector is not asked for them."""
         self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
         """The KV connector's scheduler side (``kiln.kv_transfer``; the null ``NoConnector``
         without one): blocks beyond the local prefix cache, and the step's transfers."""
@@ -361,7 +364,9 @@ class Scheduler(SchedulerInterface):
                 break
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_external = 0
-            if all(rule.may_reuse_prefix(request) for rule in rules):
+            if request.request_id in self._load_failed:
+                pass  # recomputed: not through the connector again
+            elif all(rule.may_reuse_prefix(request) for rule in rules):
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, num_hit_tokens
                 )
@@ -629,7 +634,7 @@ class Scheduler(SchedulerInterface):
         stats[1] += num_drafts
         stats[2] += num_accepted
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, reason: str = "out of KV-cache blocks") -> None:
         """Free a running request's blocks and queue it again, to recompute from scratch."""
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
@@ -640,8 +645,9 @@ class Scheduler(SchedulerInterface):
         self.waiting.add(request, self._keys[request.request_id])
         self.finished_req_ids.add(request.request_id)
         logger.warning(
-            "request %s preempted (out of KV-cache blocks; %d preemptions); it will be recomputed",
+            "request %s preempted (%s; %d preemptions); it will be recomputed",
             request.request_id,
+            reason,
             request.num_preemptions,
         )
 
@@ -654,9 +660,32 @@ class Scheduler(SchedulerInterface):
                 self.kv_cache_manager.free(request)
         for name, value in report.stats.items():
             self._connector_stats[name] = self._connector_stats.get(name, 0) + value
+        if report.invalid_block_ids:
+            self._recover_failed_loads(report.invalid_block_ids)
+
+    def _recover_failed_loads(self, invalid_block_ids: set[int]) -> None:
+        """Running requests holding a block whose load failed: the blocks from the first such
+        one leave the prefix cache, and the request is recomputed (preempted: the step's token,
+        made from wrong KV, is dropped) or, with ``kv_load_failure_policy`` "fail", finished
+        with finish reason "error"."""
+        for request in [r for r in self.running if r.request_id not in self.in_flight]:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            bad = [i for i, block_id in enumerate(block_ids) if block_id in invalid_block_ids]
+            if not bad:
+                continue
+            self.kv_cache_manager.uncache(request, bad[0] * self.block_size)
+            stats = self._connector_stats
+            stats["failed_loads"] = stats.get("failed_loads", 0) + 1
+            if self.kv_load_failure_policy == "fail":
+                self._fail(request, "its KV-cache blocks failed to load")
+            else:
+                self._load_failed.add(request.request_id)
+                self._preempt(request, "its KV-cache blocks failed to load")
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
+        self._load_failed.discard(request_id)
         block_ids = self.kv_cache_manager.get_block_ids(request_id)
         hold, _ = self.connector.request_finished(request, block_ids)
         if hold:  # freed when the worker reports the save done (_free_sent)

@@ -20,7 +20,9 @@ Exported (``vllm:`` shown):
   ``vllm:num_preemptions_total``, ``vllm:prefix_cache_queries_total``,
   ``vllm:prefix_cache_hits_total``, ``vllm:request_success_total{finished_reason}``,
   ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
-  ``vllm:spec_decode_num_accepted_tokens_total``, with the gauges
+  ``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:external_prefix_cache_hits_total`` (tokens
+  a KV connector supplied) and the connector's ``vllm:kv_connector_<name>_total`` (blocks and
+  bytes loaded and saved, seconds spent, failed loads: ``CONNECTOR_COUNTERS``), with the gauges
   ``vllm:spec_decode_acceptance_rate`` and ``vllm:spec_decode_mean_accepted_length`` made from them;
 - histograms of time: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
   and its older name ``vllm:time_per_output_token_seconds`` (the same gaps),
@@ -101,6 +103,18 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
+CONNECTOR_COUNTERS = {
+    "loaded_blocks": "blocks loaded into the KV cache.",
+    "saved_blocks": "blocks saved from the KV cache.",
+    "loaded_bytes": "bytes loaded into the KV cache.",
+    "saved_bytes": "bytes saved from the KV cache.",
+    "load_seconds": "seconds spent loading.",
+    "save_seconds": "seconds spent saving.",
+    "failed_loads": "loads that failed (their blocks recomputed or their requests failed).",
+}
+"""The KV connector's counters (``kiln.kv_transfer.STAT_NAMES`` but ``hit_tokens``)."""
+
+
 class _TotalsCollector(Collector):
     """Gauges and counters straight from each engine's ``StatsTotals``."""
 
@@ -175,6 +189,15 @@ class _TotalsCollector(Collector):
             "Speculative decoding: draft tokens accepted.",
             t.spec_num_accepted_tokens,
         )
+        self._counter(
+            "external_prefix_cache_hits",
+            "Prompt tokens a KV connector supplied (past the local prefix cache).",
+            t.kv_connector.get("hit_tokens", 0),
+        )
+        for name, doc in CONNECTOR_COUNTERS.items():
+            self._counter(
+                f"kv_connector_{name}", f"KV connector: {doc}", t.kv_connector.get(name, 0)
+            )
         acceptance, mean_length = spec_decode_rates(
             t.spec_num_drafts, t.spec_num_draft_tokens, t.spec_num_accepted_tokens
         )
