@@ -172,6 +172,7 @@ class OutputProcessor:
             self._update_stats(state, output, stats, now)
             state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
             state.token_ids.extend(output.new_token_ids)
+            state.pooled = output.pooled
             state.add_logprobs(output)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if state.detokenizer is not None:
