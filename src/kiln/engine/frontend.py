@@ -44,10 +44,19 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def pooling_sampling_params() -> SamplingParams:
+def pooling_sampling_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:
     """The sampling params a pooling request carries through the engine: it never samples, and
-    its one output is its last."""
-    return SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    its one output is its last; ``truncate_prompt_tokens`` keeps the prompt's last tokens.
+
+    Raises:
+        ValueError: ``truncate_prompt_tokens`` is neither None, -1 nor positive.
+    """
+    return SamplingParams(
+        max_tokens=1,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )
 
 
 class Frontend:
