@@ -1,7 +1,8 @@
 """``LLM(runner="pooling")`` on kiln-x86 with decode graphs (traced, the default wrapper) equals
-the reference ``cpu`` platform's embeddings, float32: steps that fit a graph bucket (inputs of
-one and two tokens) replay the graph, whose padded hidden states the pooling stage reads only
-up to the step's real tokens; longer inputs (chunked over a small budget) run eagerly.
+the reference ``cpu`` platform's embeddings, float32: steps that fit a graph bucket (buckets 1
+and 4: an input of one token, and one of three padded to four) replay the graph, whose padded
+hidden states the pooling stage reads only up to the step's real tokens; longer inputs (chunked
+over a small budget) run eagerly.
 
 A small random Llama (2 layers), token-id inputs; each platform in a fresh process (a process
 selects its platform once).
@@ -16,7 +17,7 @@ import pytest
 from kiln.testing import run_python
 from kiln.testing.models import save_tiny_model
 
-INPUTS = [[5], [7, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], list(range(10, 60))]
+INPUTS = [[5], [7, 9, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], list(range(10, 60))]
 
 EMBED = """
 import json, sys
@@ -50,9 +51,9 @@ def _embed(folder: str, gguf: str, platform: str, pooling_type: str, sizes) -> d
 
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 def test_x86_pooling_with_graphs_matches_cpu_platform(tiny_folder, gguf_path, pooling_type):
-    x86 = _embed(tiny_folder, gguf_path, "x86", pooling_type, [1, 2])
+    x86 = _embed(tiny_folder, gguf_path, "x86", pooling_type, [1, 4])
     cpu = _embed(tiny_folder, gguf_path, "cpu", pooling_type, None)
-    assert x86["wrapper"] == "TracedGraphWrapper" and x86["sizes"] == [1, 2]
+    assert x86["wrapper"] == "TracedGraphWrapper" and x86["sizes"] == [1, 4]
     for name in ("alone", "batched"):
         for got, want in zip(x86[name], cpu["alone"], strict=True):
             assert got == pytest.approx(want, abs=1e-5)
