@@ -260,6 +260,8 @@ class OutputProcessor:
         if output.scheduled_time:
             metrics.scheduled_time = output.scheduled_time
         num_new_tokens = len(output.new_token_ids)
+        if output.pooled is not None:  # a pooling request: its prompt computed, no token
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
         if num_new_tokens == 0:
             return
         stats.num_generation_tokens += num_new_tokens
