@@ -163,3 +163,13 @@ def test_generate_server_refuses_embeddings(client: openai.OpenAI, http: httpx.C
     for path, body in [("/pooling", {"input": "a"}), ("/score", {"text_1": "a", "text_2": "b"})]:
         response = http.post(path, json=body)
         assert response.status_code == 400 and "--runner pooling" in response.text
+
+
+def test_pooling_routes_need_the_api_key(pooling_server: KilnServer) -> None:
+    for path, body in [
+        ("/v1/embeddings", {"input": "a"}),
+        ("/pooling", {"input": "a"}),
+        ("/score", {"text_1": "a", "text_2": "b"}),
+    ]:
+        response = httpx.post(f"{pooling_server.url}{path}", json=body, timeout=30)
+        assert response.status_code == 401, (path, response.text)
