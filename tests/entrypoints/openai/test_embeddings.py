@@ -120,7 +120,7 @@ def test_pooling_and_score_routes(embed_client, embed_http) -> None:
     assert [d["object"] for d in score["data"]] == ["score", "score"]
     for item, document in zip(score["data"], embeddings[1:], strict=True):
         assert abs(item["score"] - float(embeddings[0] @ document)) < 1e-5
-    pairs = embed_http.post("/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
+    pairs = embed_http.post("/v1/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
     assert abs(pairs["data"][1]["score"] - float(embeddings[1] @ embeddings[2])) < 1e-5
     for body, param in [
         ({"text_1": texts[:2], "text_2": texts}, "text_2"),

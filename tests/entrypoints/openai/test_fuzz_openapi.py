@@ -72,7 +72,12 @@ FAMILIES = {
     # On this generate server a valid body is a 400 naming --runner pooling; the family checks
     # the routes' validation and statuses (tests/entrypoints/openai/test_embeddings.py serves
     # them).
-    "pooling": [("/v1/embeddings", "POST"), ("/pooling", "POST"), ("/score", "POST")],
+    "pooling": [
+        ("/v1/embeddings", "POST"),
+        ("/pooling", "POST"),
+        ("/score", "POST"),
+        ("/v1/score", "POST"),
+    ],
     "get": [
         ("/v1/models", "GET"),
         ("/health", "GET"),

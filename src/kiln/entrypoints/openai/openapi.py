@@ -22,7 +22,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling", "/score"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/pooling",
+        "/score",
+        "/v1/score",
+    }
 )
 """Routes that run the model (the pooling ones too): 503 when overloaded or shutting down."""
 NOT_FOUND_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize", "/v1/unload_lora_adapter"}

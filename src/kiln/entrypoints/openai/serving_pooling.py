@@ -1,5 +1,5 @@
-"""The pooling routes (``--runner pooling``): ``POST /v1/embeddings`` (OpenAI's), ``POST
-/pooling`` and ``POST /score`` (vLLM's).
+"""The pooling routes (``--runner pooling``): ``POST /v1/embeddings`` (OpenAI's), and vLLM's
+``POST /pooling`` and ``POST /score`` (also at ``/v1/score``, as vLLM serves it).
 
 Responses::
 
@@ -46,7 +46,7 @@ from kiln.entrypoints.openai.serving_engine import OpenAIServing, Prompt, Server
 from kiln.messages import EngineCoreRequest
 from kiln.pooling_params import PoolingParams
 
-POOLING_PATHS = ("/v1/embeddings", "/pooling", "/score")
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/score", "/v1/score")
 """The routes ``register_pooling_routes`` adds."""
 
 
@@ -247,6 +247,7 @@ def register_pooling_routes(app: FastAPI, state: ServerState) -> None:
         return await pooling.embeddings(request, raw, "pooling")
 
     @app.post("/score")
+    @app.post("/v1/score")  # vLLM serves both
     async def create_score(request: ScoreRequest, raw: Request) -> Response:
         return await pooling.score(request, raw)
 
