@@ -82,3 +82,43 @@ def test_plugin_config_schema_must_be_a_dataclass_with_defaults():
     assert registry.validate({})["p"] == Opts()
     with pytest.raises(ValueError, match=r"p.x=True is invalid; allowed: int"):
         registry.validate({"p": {"x": True}})
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"runner": "embed"}, "model.runner='embed' is invalid"),
+        ({"pooler_config": '{"pooling_type": "MAX"}'}, "model.pooling_type='MAX' is invalid"),
+        ({"pooler_config": '{"normalise": true}'}, "pooler_config="),
+        ({"pooler_config": "{"}, "--pooler-config is not valid JSON"),
+        ({"pooler_config": '{"normalize": "yes"}'}, "model.pooling_normalize='yes' is invalid"),
+        (
+            {
+                "runner": "pooling",
+                "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            },
+            "speculative.method='ngram' is invalid with model.runner='pooling'",
+        ),
+    ],
+)
+def test_pooling_flags_refuse_bad_values(kwargs, needle):
+    from kiln.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs.from_kwargs(**kwargs).create_config()
+
+
+def test_pooler_config_sets_type_and_normalize():
+    from kiln.engine.arg_utils import EngineArgs
+
+    config = EngineArgs.from_kwargs(
+        runner="pooling", pooler_config='{"pooling_type": "mean", "normalize": false}'
+    ).create_config()
+    assert (config.model.runner, config.model.pooling_type) == ("pooling", "MEAN")
+    assert config.model.pooling_normalize is False
+    default = EngineArgs.from_kwargs().create_config().model
+    assert (default.runner, default.pooling_type, default.pooling_normalize) == (
+        "generate",
+        "LAST",
+        True,
+    )

@@ -16,6 +16,7 @@ _LAZY = {
     "LLM": "kiln.entrypoints.llm",
     "KilnConfig": "kiln.config",
     "LoRARequest": "kiln.lora.request",
+    "PoolingParams": "kiln.pooling_params",
 }
 
 

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from kiln.lora.request import LoRARequest
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 
@@ -45,6 +46,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request (``--runner pooling``): prefilled, never decoded; it finishes after its
+    last prompt token with its pooled vector (``EngineCoreOutput.pooled``)."""
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
@@ -87,6 +91,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     scheduled_time: float = 0.0
     """``time.time()`` when the request was first scheduled, sent once with its first tokens
     (0 otherwise): where its queue time ends and its prefill begins."""
+    pooled: bytes | None = None
+    """A pooling request's vector, float32 little-endian, with its (finishing) output."""
 
     @property
     def finished(self) -> bool:
@@ -147,6 +153,8 @@ class NewRequestData:
     """Tokens whose KV is already in the blocks (prefix-cache hits)."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request's parameters (None: a generation request)."""
 
 
 @dataclass
@@ -211,6 +219,9 @@ class ModelRunnerOutput:
     meaningless: the scheduler finishes them with finish reason "error"."""
     kv_connector_output: KVConnectorOutput | None = None
     """The KV connector's report of the step; None without a connector."""
+    pooler_output: dict[str, bytes] = field(default_factory=dict)
+    """Per pooling request whose prompt finished this step: its pooled vector (float32
+    little-endian bytes); the scheduler finishes it with this."""
 
 
 @dataclass

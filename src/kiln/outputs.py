@@ -13,6 +13,10 @@ processor fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -102,11 +106,56 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
     metrics: RequestMetrics | None = None
+    pooled: bytes | None = None
+    """A pooling request's vector (float32 little-endian bytes); None for generation. The
+    offline ``LLM.embed`` / ``LLM.encode`` turn it into the outputs below."""
+
+
+@dataclass
+class PoolingOutput:
+    """A pooled vector (vLLM's ``PoolingOutput``)."""
+
+    data: torch.Tensor
+    """[dimensions] float32."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (vLLM's ``PoolingRequestOutput``): ``outputs`` is a
+    ``PoolingOutput`` from ``LLM.encode``, an ``EmbeddingOutput`` from ``LLM.embed``."""
+
+    request_id: str
+    outputs: PoolingOutput | EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s result: ``outputs.embedding`` is the vector as a list."""
+
+    outputs: EmbeddingOutput
 
 
 __all__ = [
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
     "PositionLogprobs",
     "PromptLogprobs",
     "RequestMetrics",

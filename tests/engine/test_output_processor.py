@@ -326,3 +326,19 @@ def test_abort_output_of_a_parent_lists_its_unfinished_children(tokenizer):
         (0, "", "abort"),
         (2, " half", "abort"),
     ]
+
+
+def test_pooling_output_carries_its_vector_and_counts_its_prompt(tokenizer):
+    """A pooling request's one output: no token, its vector in ``pooled``, finished; its prompt
+    tokens count in the iteration's prompt tokens (no first token would count them)."""
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=1, detokenize=False, output_kind=FINAL_ONLY)
+    processor.add_request(EngineCoreRequest("p", PROMPT_IDS, params, 2, 0.0), None)
+    vector = bytes(range(16))
+    output = EngineCoreOutput("p", [], finish_reason=FinishReason.STOP, pooled=vector)
+    processed = processor.process_outputs([output])
+    (request_output,) = processed.request_outputs
+    assert request_output.finished and request_output.pooled == vector
+    assert request_output.outputs[0].token_ids == []
+    assert processed.iteration_stats.num_prompt_tokens == len(PROMPT_IDS)
+    assert not processor.has_unfinished_requests()

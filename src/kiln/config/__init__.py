@@ -17,9 +17,9 @@ fields a platform fills (``kiln.plugins.interfaces.CLASS_FIELDS``) are not
 flags.
 
 Each family of sections has its module: ``kiln.config.model``, ``.batching`` (cache and
-scheduler), ``.parallel``, ``.device`` (device and plugins), ``.lora``, ``.structured_outputs``,
-``.speculative`` and ``.kv_transfer``. This package composes them into ``KilnConfig`` and
-re-exports every public name: import them from ``kiln.config``.
+scheduler), ``.pooler`` (the pooling runner), ``.parallel``, ``.device`` (device and plugins),
+``.lora``, ``.structured_outputs``, ``.speculative`` and ``.kv_transfer``. This package composes
+them into ``KilnConfig`` and re-exports every public name: import them from ``kiln.config``.
 
 This package knows nothing about platforms or plugins beyond the names of the fields a platform
 fills.
@@ -51,6 +51,7 @@ from kiln.config.kv_transfer import (
 from kiln.config.lora import LoRAConfig
 from kiln.config.model import DTYPES, QUANTIZATION_METHODS, ModelConfig
 from kiln.config.parallel import EXECUTOR_BACKENDS, ParallelConfig
+from kiln.config.pooler import POOLING_TYPES, RUNNERS, parse_pooler_config
 from kiln.config.speculative import (
     MAX_NUM_SPECULATIVE_TOKENS,
     SPECULATIVE_METHODS,
@@ -78,6 +79,14 @@ class KilnConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.runner == "pooling" and self.speculative.method is not None:
+            raise ValueError(
+                f"speculative.method={self.speculative.method!r} is invalid with model.runner="
+                "'pooling': a pooling request never decodes; allowed: None (no "
+                "--speculative-config with --runner pooling)"
+            )
 
     def replace(self, **changes: Any) -> KilnConfig:
         """A copy with fields changed, named ``section__field`` (``device__worker_cls="x.Y"``).
@@ -166,7 +175,9 @@ __all__ = [
     "KV_LOAD_FAILURE_POLICIES",
     "KV_ROLES",
     "MAX_NUM_SPECULATIVE_TOKENS",
+    "POOLING_TYPES",
     "QUANTIZATION_METHODS",
+    "RUNNERS",
     "SECTIONS",
     "SPECULATIVE_METHODS",
     "STRUCTURED_OUTPUT_BACKENDS",
@@ -186,6 +197,7 @@ __all__ = [
     "parse_kv_cache_memory",
     "parse_kv_transfer_config",
     "parse_plugin_config",
+    "parse_pooler_config",
     "parse_speculative_config",
     "parse_structured_outputs_config",
     "set_current_config",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.config.checks import check
+from kiln.config.pooler import POOLING_TYPES, RUNNERS, parse_pooler_config
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 """Values of ``model.dtype``."""
@@ -48,8 +49,35 @@ class ModelConfig:
     load; gguf: keep GGUF blocks (an error where the platform cannot); int8 / int4: quantize a
     float model's linear weights on load (per output channel int8 / int4 in groups of 32), where
     the platform supports it; none: dense weights in ``dtype``."""
+    runner: str = field(default="generate", metadata={"choices": RUNNERS})
+    """What the model is served for: generate (completions and chat) or pooling (embeddings:
+    ``/v1/embeddings``, ``/pooling``, ``/score``; no generation). Pooling requests run through
+    the same scheduler and KV cache and finish after their last prompt token."""
+    pooling_type: str = field(
+        default="LAST",
+        metadata={"flag": "pooler_config", "metavar": "JSON", "parse": parse_pooler_config},
+    )
+    """The pooling runner's pooler, ``--pooler-config '{"pooling_type": "MEAN", "normalize":
+    true}'``: pooling_type LAST (the last prompt token's final hidden state, the default), MEAN
+    (the mean over the prompt) or CLS (the first token); normalize (default true) L2-normalises
+    each embedding."""
+    pooling_normalize: bool = field(default=True, metadata={"set_by": "pooler_config"})
+    """L2-normalise embeddings unless a request says otherwise (``--pooler-config``)."""
 
     def __post_init__(self) -> None:
+        check(self.runner in RUNNERS, "model.runner", self.runner, f"one of {list(RUNNERS)}")
+        check(
+            self.pooling_type in POOLING_TYPES,
+            "model.pooling_type",
+            self.pooling_type,
+            f"one of {list(POOLING_TYPES)} (--pooler-config pooling_type)",
+        )
+        check(
+            isinstance(self.pooling_normalize, bool),
+            "model.pooling_normalize",
+            self.pooling_normalize,
+            "true or false (--pooler-config normalize)",
+        )
         check(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {list(DTYPES)}")
         check(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,

@@ -30,11 +30,12 @@ from collections.abc import AsyncIterator
 
 from kiln.config import KilnConfig
 from kiln.engine.core_client import AsyncMPClient
-from kiln.engine.frontend import Frontend
+from kiln.engine.frontend import Frontend, pooling_sampling_params
 from kiln.engine.input_processor import PromptType
 from kiln.engine.stats import IterationStats, StatsRecorder
 from kiln.messages import EngineCoreRequest, EngineDeadError, FinishReason, RequestFailedError
 from kiln.outputs import RequestOutput
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,11 +121,13 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit the request now; the returned iterator sends it to the engine core and yields
         its outputs until it finishes. Iterate it, or drop an admitted request with
-        ``release(request_id)``. ``prompt`` may be the ``EngineCoreRequest`` that
-        ``frontend.input_processor.process`` made of it (then it is not processed again).
+        ``release(request_id)``. A pooling request has ``pooling_params`` (see ``encode``).
+        ``prompt`` may be the ``EngineCoreRequest`` that ``frontend.input_processor.process``
+        made of it (then it is not processed again).
 
         Raises (here, not when iterating):
             ValueError: invalid prompt or params, or ``request_id`` already running.
@@ -140,11 +143,22 @@ class AsyncLLM:
             raise QueueFullError(f"{limit} requests are already waiting")
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
-        requests = self.frontend.make_requests(request_id, prompt, sampling_params, priority)
+        requests = self.frontend.make_requests(
+            request_id, prompt, sampling_params, priority, pooling_params=pooling_params
+        )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._num_core_requests[request_id] = len(requests)
         return self._run(request_id, requests, queue)
+
+    def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """A pooling request (``--runner pooling``), admitted now as ``generate`` admits: its one
+        output is final and carries its vector in ``RequestOutput.pooled``."""
+        return self.generate(
+            prompt, pooling_sampling_params(), request_id, pooling_params=pooling_params
+        )
 
     def release(self, request_id: str) -> None:
         """Drop an admitted request whose iterator was never iterated."""

@@ -18,7 +18,8 @@ from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest
 from kiln.model_executor.loader import get_loader, resolve_model_ref
 from kiln.model_executor.loader.default_model import DEFAULT_MODEL_NAME
-from kiln.sampling_params import SamplingParams
+from kiln.pooling_params import PoolingParams
+from kiln.sampling_params import RequestOutputKind, SamplingParams
 from kiln.tokenizer import Tokenizer, load_tokenizer
 
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
@@ -41,6 +42,21 @@ def read_chat_template(value: str | None) -> str | None:
         with open(value, encoding="utf-8") as f:
             return f.read()
     return value
+
+
+def pooling_sampling_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:
+    """The sampling params a pooling request carries through the engine: it never samples, and
+    its one output is its last; ``truncate_prompt_tokens`` keeps the prompt's last tokens.
+
+    Raises:
+        ValueError: ``truncate_prompt_tokens`` is neither None, -1 nor positive.
+    """
+    return SamplingParams(
+        max_tokens=1,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )
 
 
 class Frontend:
@@ -69,6 +85,8 @@ class Frontend:
             vocab_size=int(hf_config.get("vocab_size") or self.tokenizer.vocab_size),
             structured_outputs_backend=config.structured_outputs.backend,
             scheduling_policy=config.scheduler.policy,
+            runner=config.model.runner,
+            hidden_size=hf_config.get("hidden_size"),
             lora_checker=(
                 AdapterChecker(config.lora.max_lora_rank, hf_config)
                 if config.lora.enable_lora
@@ -85,6 +103,7 @@ class Frontend:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate ``prompt``, register it with the output processor, and return the engine-core
         requests to send (one per completion when ``n > 1``). An ``EngineCoreRequest`` is one
@@ -98,7 +117,13 @@ class Frontend:
             request, text = prompt, None
         else:
             request = self.input_processor.process(
-                request_id, prompt, params, arrival_time, priority, lora_request=lora_request
+                request_id,
+                prompt,
+                params,
+                arrival_time,
+                priority,
+                lora_request=lora_request,
+                pooling_params=pooling_params,
             )
             text = prompt_text(prompt)
         children = fan_out(request)

@@ -24,6 +24,7 @@ import msgspec
 
 from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 from kiln.structured_output import validate_structured_outputs
 
@@ -115,6 +116,9 @@ class InputProcessor:
             LoRA enabled, the adapter fits the model); None refuses every adapter.
         scheduling_policy: ``scheduler.policy``; under ``fcfs`` a ``priority`` other than 0 is
             refused (as vLLM does), so no client jumps the queue unless the operator allows it.
+        runner: ``model.runner``: a ``pooling`` engine takes pooling requests only (a
+            ``pooling_params``), a ``generate`` engine none.
+        hidden_size: the model's hidden size, the largest ``PoolingParams.dimensions``.
     """
 
     def __init__(
@@ -129,8 +133,12 @@ class InputProcessor:
         structured_outputs_backend: str = "auto",
         lora_checker: Callable[[LoRARequest], None] | None = None,
         scheduling_policy: str = "fcfs",
+        runner: str = "generate",
+        hidden_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.runner = runner
+        self.hidden_size = hidden_size
         self.scheduling_policy = scheduling_policy
         self.lora_checker = lora_checker
         self.structured_outputs_backend = structured_outputs_backend
@@ -162,6 +170,7 @@ class InputProcessor:
         *,
         prompt_name: str = "prompt",
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> EngineCoreRequest:
         """The engine-core request for ``prompt`` (see the module docstring).
 
@@ -175,8 +184,11 @@ class InputProcessor:
                 ``fcfs`` policy; the params ask for more
                 logprobs than ``max_logprobs`` or name token ids outside the vocabulary; their
                 ``structured_outputs`` spec is one the grammar engine cannot read; a
-                ``lora_request`` the engine cannot serve (``check_lora``).
+                ``lora_request`` the engine cannot serve (``check_lora``); a pooling request
+                to a generate engine or a generation request to a pooling one; ``dimensions``
+                above the model's hidden size.
         """
+        self.check_runner(pooling_params)
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(
                 f"priority {priority} needs priority scheduling; allowed: 0 under the "
@@ -199,7 +211,30 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             lora_request=lora_request,
+            pooling_params=None if pooling_params is None else pooling_params.clone(),
         )
+
+    def check_runner(self, pooling_params: PoolingParams | None) -> None:
+        """Raises ``ValueError`` unless the request fits the engine's runner: pooling requests
+        (with ``pooling_params``) on ``--runner pooling`` only, with ``dimensions`` within the
+        hidden size, and generation requests on ``--runner generate`` only."""
+        if pooling_params is None and self.runner == "pooling":
+            raise ValueError(
+                "this model is served with --runner pooling: it answers embeddings "
+                "(/v1/embeddings, /pooling, /score) and generates nothing; serve it with "
+                "--runner generate (the default) for completions and chat"
+            )
+        if pooling_params is not None and self.runner != "pooling":
+            raise ValueError(
+                "embeddings need the pooling runner: serve the model with --runner pooling "
+                f"(this engine runs --runner {self.runner})"
+            )
+        dimensions = None if pooling_params is None else pooling_params.dimensions
+        if dimensions is not None and self.hidden_size and dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions={dimensions} is invalid; allowed: 1 to the model's hidden size "
+                f"{self.hidden_size}"
+            )
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raises ``ValueError`` unless LoRA is on and the adapter fits the model (its folder

@@ -17,6 +17,7 @@ from kiln.engine.stats import StatsRecorder
 from kiln.lora.request import LoRARequest
 from kiln.messages import EngineDeadError
 from kiln.outputs import RequestOutput
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 
@@ -50,8 +51,9 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """Queue a request.
+        """Queue a request (a pooling one with ``pooling_params``).
 
         Raises:
             ValueError: an invalid prompt, params or adapter.
@@ -59,7 +61,12 @@ class LLMEngine:
         """
         self._check_alive()
         requests = self.frontend.make_requests(
-            request_id, prompt, params, priority, lora_request=lora_request
+            request_id,
+            prompt,
+            params,
+            priority,
+            lora_request=lora_request,
+            pooling_params=pooling_params,
         )
         for request in requests:
             self.engine_core.add_request(request)

@@ -172,6 +172,7 @@ class OutputProcessor:
             self._update_stats(state, output, stats, now)
             state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
             state.token_ids.extend(output.new_token_ids)
+            state.pooled = output.pooled
             state.add_logprobs(output)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if state.detokenizer is not None:
@@ -259,6 +260,8 @@ class OutputProcessor:
         if output.scheduled_time:
             metrics.scheduled_time = output.scheduled_time
         num_new_tokens = len(output.new_token_ids)
+        if output.pooled is not None:  # a pooling request: its prompt computed, no token
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
         if num_new_tokens == 0:
             return
         stats.num_generation_tokens += num_new_tokens

@@ -197,6 +197,8 @@ class RequestState(_SendsPromptLogprobsOnce):
         )
         self.token_text = token_text if self.detokenizer is not None else None
         self.token_ids: list[int] = []
+        self.pooled: bytes | None = None
+        """A pooling request's vector, once its output came."""
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = None
@@ -274,4 +276,5 @@ class RequestState(_SendsPromptLogprobsOnce):
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            pooled=self.pooled,
         )

@@ -1,4 +1,5 @@
-"""The offline front end: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``.
+"""The offline front end: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``;
+with ``runner="pooling"``, ``.embed(prompts)`` and ``.encode(prompts)`` (vLLM's names).
 
 The engine core runs in this process. ``model=None`` serves the embedded default model
 (SmolLM2-135M-Instruct). Keyword arguments are ``kiln serve``'s flags with underscores
@@ -14,11 +15,19 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.frontend import pooling_sampling_params
 from kiln.engine.input_processor import PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.lora.request import LoRARequest
-from kiln.outputs import RequestOutput
+from kiln.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from kiln.plugins import init_process
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 from kiln.tokenizer import Tokenizer
 
@@ -133,6 +142,66 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (``outputs.embedding``, a list of floats), in order;
+        needs ``runner="pooling"``. The pooling type and default normalisation are the
+        ``pooler_config``'s; ``pooling_params`` (one for all, or one per prompt) may set
+        ``dimensions`` and ``normalize``.
+
+        Raises:
+            ValueError: an invalid prompt or params, or an engine that is not a pooling one.
+        """
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                output.request_id,
+                EmbeddingOutput(cast("PoolingOutput", output.outputs).data.tolist()),
+                output.prompt_token_ids,
+                num_cached_tokens=output.num_cached_tokens,
+            )
+            for output in outputs
+        ]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """As ``embed``, with each vector as a float32 tensor (``outputs.data``)."""
+        import numpy as np
+        import torch
+
+        prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            pooling_list = list(pooling_params)
+        if len(pooling_list) != len(prompts):
+            raise ValueError(
+                f"pooling_params has {len(pooling_list)} entries for {len(prompts)} prompts"
+            )
+        params_list = [pooling_sampling_params()] * len(prompts)
+        outputs = self._run(prompts, params_list, use_tqdm, None, pooling=pooling_list)
+        return [
+            PoolingRequestOutput(
+                output.request_id,
+                PoolingOutput(
+                    torch.from_numpy(np.frombuffer(output.pooled or b"", dtype="<f4").copy())
+                ),
+                output.prompt_token_ids,
+                num_cached_tokens=output.num_cached_tokens,
+            )
+            for output in outputs
+        ]
+
     def _run(
         self,
         prompts: list[PromptType],
@@ -140,6 +209,7 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None,
         loras: Sequence[LoRARequest | None] | None = None,
+        pooling: Sequence[PoolingParams] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = []
@@ -155,6 +225,7 @@ class LLM:
                     params,
                     priority[i] if priority else 0,
                     lora_request=loras[i] if loras else None,
+                    pooling_params=pooling[i] if pooling else None,
                 )
                 request_ids.append(request_id)
         except ValueError:

@@ -7,8 +7,9 @@ request from reusing prefix-cache hits (``may_reuse_prefix``). A rule hears of e
 (``begin_step``, with the running requests) and of each admission (``admit``). The base class
 admits everything: a feature that is off has no rule.
 
-Rules here: ``LoRASlots`` (a step fits ``lora.max_loras`` adapters) and ``PromptLogprobsPrefix``
-(prompt logprobs need logits at every prompt position). The other admission-time policies are
+Rules here: ``LoRASlots`` (a step fits ``lora.max_loras`` adapters), ``PromptLogprobsPrefix``
+(prompt logprobs need logits at every prompt position) and ``PoolingPrefix`` (MEAN and CLS
+pooling need hidden states a prefix hit would not compute). The other admission-time policies are
 objects of their own: the grammar wait-list (``kiln.scheduler.grammar_waitlist``: a request is
 queued only once its grammar compiled) and the pipeline's batches in flight
 (``kiln.scheduler.pipeline``: a request in flight is not scheduled again).
@@ -68,3 +69,20 @@ class PromptLogprobsPrefix(AdmissionRule):
 
     def may_reuse_prefix(self, request: Request) -> bool:
         return request.sampling_params.prompt_logprobs is None
+
+
+class PoolingPrefix(AdmissionRule):
+    """A pooling request whose pooler reads more than the last prompt position (MEAN: every
+    position, CLS: the first) recomputes its cached prefix: a hit skips those positions'
+    forward, so their hidden states would be missing. LAST reads only the last position, which
+    is never a hit (``KVCacheManager.get_computed_blocks``), so it reuses the cache.
+
+    Args:
+        pooling_type: ``model.pooling_type``.
+    """
+
+    def __init__(self, pooling_type: str) -> None:
+        self.needs_every_position = pooling_type != "LAST"
+
+    def may_reuse_prefix(self, request: Request) -> bool:
+        return request.pooling_params is None or not self.needs_every_position

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.lora.request import LoRARequest
 from kiln.messages import EngineCoreRequest, FinishReason
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 
@@ -62,6 +63,8 @@ class Request:
     """Lower runs first (as in vLLM); ties go by arrival."""
     lora_request: LoRARequest | None = None
     """The adapter it runs with (None: the base model); its blocks are hashed apart."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request: it finishes after its last prompt token, with no output tokens."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -95,6 +98,7 @@ class Request:
             arrival_time=request.arrival_time,
             priority=request.priority,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     @property

@@ -15,8 +15,12 @@ Each ``schedule()`` hands out ``{request_id: num_new_tokens}`` under ``max_num_b
    Admission rules the scheduler composes (``kiln.scheduler.admission``) may hold the head of
    the queue back (and the queue behind it) or keep it from prefix-cache hits: with LoRA, a
    request for an adapter that no running request uses waits while ``lora.max_loras`` other
-   adapters run (a step fits that many slots); a request that asked for prompt logprobs
-   recomputes its cached prefix.
+   adapters run (a step fits that many slots); a request that asked for prompt logprobs, or a
+   MEAN or CLS pooling request, recomputes its cached prefix.
+
+Pooling requests (``--runner pooling``, ``Request.pooling_params``) are prefilled like any
+prompt, chunked as the budget says, and finish in the ``update_from_output`` of the step that
+computes their last prompt token, with the runner's pooled vector and no output token.
 
 ``update_from_output()`` advances ``num_computed_tokens`` by what was scheduled, appends sampled
 tokens and checks stops in this order: EOS (unless ``ignore_eos``), ``stop_token_ids`` (both only
@@ -78,7 +82,7 @@ from kiln.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
-from kiln.scheduler.admission import AdmissionRule, LoRASlots, PromptLogprobsPrefix
+from kiln.scheduler.admission import AdmissionRule, LoRASlots, PoolingPrefix, PromptLogprobsPrefix
 from kiln.scheduler.grammar_waitlist import GrammarWaitlist, grammar_bitmask
 from kiln.scheduler.interface import SchedulerInterface
 from kiln.scheduler.kv_cache.manager import KVCacheManager
@@ -171,7 +175,10 @@ class Scheduler(SchedulerInterface):
             else SingleBatch()
         )
         """The batches in flight (``SingleBatch``: none, without a pipeline)."""
-        self.admission_rules: list[AdmissionRule] = [PromptLogprobsPrefix()]
+        self.admission_rules: list[AdmissionRule] = [
+            PromptLogprobsPrefix(),
+            PoolingPrefix(config.model.pooling_type),
+        ]
         """What each waiting request must pass to start (``kiln.scheduler.admission``)."""
         if config.lora.enable_lora:
             self.admission_rules.append(LoRASlots(config.lora.max_loras))
@@ -421,6 +428,7 @@ class Scheduler(SchedulerInterface):
             block_ids=block_ids,
             num_computed_tokens=num_hit_tokens,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     def update_from_output(
@@ -479,6 +487,8 @@ class Scheduler(SchedulerInterface):
         index = model_runner_output.req_id_to_index.get(request_id)
         if index is None or request.num_computed_tokens < request.num_tokens:
             return None  # A partial prefill chunk samples nothing.
+        if request.pooling_params is not None:
+            return self._finish_pooling(request, model_runner_output.pooler_output[request_id])
         new_token_ids = model_runner_output.sampled_token_ids[index]
         if not new_token_ids:
             return None
@@ -511,6 +521,21 @@ class Scheduler(SchedulerInterface):
         )
         if is_stopped:
             self._free_request(request)
+        return output
+
+    def _finish_pooling(self, request: Request, pooled: bytes) -> EngineCoreOutput:
+        """A pooling request's prompt is computed: it finishes (stopped) with its vector and no
+        tokens; frees it."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        output = EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason=FinishReason.STOP,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            scheduled_time=request.scheduled_time,
+            pooled=pooled,
+        )
+        self._free_request(request)
         return output
 
     def _append_tokens(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:

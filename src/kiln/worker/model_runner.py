@@ -15,7 +15,8 @@ stages over one ``StepPlan`` (``kiln.worker.step_plan``):
 Features are objects the runner composes at set-up, never branches in the step: the sampling
 strategy (``PlainSampling`` or ``SpeculativeSampling``, ``kiln.worker.sampling``), the optional
 stages (``kiln.worker.stages``: ``LoRAStage`` or the null ``RunnerStage``, ``PromptLogprobs``,
-``GrammarMask``) and the output stage (``SamplingOutput`` or ``FollowLastStage``). A new feature
+``GrammarMask``) and the output stage (``SamplingOutput``; ``PoolingOutput`` with ``--runner
+pooling``, ``kiln.worker.pooling``, which is a stage too; or ``FollowLastStage``). A new feature
 (a KV connector's loads and saves around the forward, say) is a new stage in ``stages``.
 
 Graphs: a step of at most the largest bucket's tokens (decodes, speculative verifications, short
@@ -58,6 +59,7 @@ from kiln.utils import resolve_obj_by_qualname
 from kiln.worker.graph import graph_capture_sizes, no_capture_reason, padded_size
 from kiln.worker.input_batch import InputBatch
 from kiln.worker.output import FollowLastStage, OutputStage, SamplingOutput
+from kiln.worker.pooling import PoolingOutput
 from kiln.worker.sampling import PlainSampling, SpeculativeSampling
 from kiln.worker.stages import (
     GrammarMask,
@@ -97,6 +99,9 @@ class ModelRunner(ModelRunnerBase):
         """``KVConnectorStage`` with ``kv_transfer.kv_connector``, else the null stage."""
         if config.kv_transfer.kv_connector is not None:
             self.kv_connector = KVConnectorStage(create_connector(config, KVConnectorRole.WORKER))
+        self.pooling: RunnerStage = RunnerStage()
+        """``PoolingOutput`` (also ``output``) with ``model.runner == "pooling"`` on the last
+        pipeline stage, else the null stage."""
         self.output: OutputStage = FollowLastStage()
         """What this rank makes of the forward (``SamplingOutput`` on the last pipeline stage);
         set by ``load_model``."""
@@ -114,7 +119,7 @@ class ModelRunner(ModelRunnerBase):
     def stages(self) -> tuple[RunnerStage, ...]:
         """The stages whose hooks run at set-up, on the batch's diff and before each forward,
         in this order."""
-        return (self.sampling, self.lora, self.kv_connector, self.prompt_logprobs)
+        return (self.sampling, self.lora, self.kv_connector, self.prompt_logprobs, self.pooling)
 
     # -- set-up ------------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -152,7 +157,11 @@ class ModelRunner(ModelRunnerBase):
             self.lora = LoRAStage(
                 LoRAModelManager(model, self.config.lora, self.hf_config, self.dtype, self.device)
             )
-        if self.pp_group.is_last:
+        if self.pp_group.is_last and self.config.model.runner == "pooling":
+            model_config = self.config.model
+            pooling = PoolingOutput(model_config.pooling_type, model_config.pooling_normalize)
+            self.output = self.pooling = pooling
+        elif self.pp_group.is_last:
             grammar_mask = GrammarMask(self.device)
             self.output = SamplingOutput(model, self.sampling, grammar_mask, self.prompt_logprobs)
 

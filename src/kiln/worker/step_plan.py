@@ -3,8 +3,9 @@
 The runner's step is ``prepare -> forward -> sample -> commit`` (``kiln.worker.model_runner``):
 ``prepare`` applies nothing and computes everything the step needs from the persistent batch and
 the ``SchedulerOutput`` into a ``StepPlan``; ``forward`` runs the model over its inputs;
-``sample`` turns hidden states into ``SampledTokens``; ``commit`` writes them into the batch and
-answers the ``ModelRunnerOutput``. Each stage reads the plan and none keeps it past the step.
+``sample`` turns hidden states into ``SampledTokens`` (the pooling runner: into vectors);
+``commit`` writes them into the batch and answers the ``ModelRunnerOutput``. Each stage reads
+the plan and none keeps it past the step.
 
 This module holds data only: no model, no device work.
 """
@@ -76,6 +77,9 @@ class SampledTokens:
     """[P] rows (logits row order), when some request asked for logprobs."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Per request whose prefill finished this step and that asked: all its prompt logprobs."""
+    pooled: dict[str, bytes] = field(default_factory=dict)
+    """The pooling runner: per request whose prompt finished this step, its pooled vector
+    (float32 little-endian bytes; ``kiln.worker.pooling``)."""
 
 
 NOTHING_SAMPLED = SampledTokens([])

@@ -1,14 +1,14 @@
 """Property-based fuzzing of a live ``kiln serve``, driven by the server's own OpenAPI schema.
 
 Contract. For each route family (``/v1/completions``; ``/v1/chat/completions``; ``/tokenize`` and
-``/detokenize``; the GET routes) schemathesis turns the schema FastAPI serves at ``/openapi.json``
-into requests: first its coverage cases (boundary values, missing and extra fields, wrong types,
-unexpected methods; deterministic, so every run repeats them; at most half the family's time),
-then, until the family's share of the budget is spent, random valid and invalid bodies from
-hypothesis and valid bodies with one hostile value (``HOSTILE_VALUES``: lone surrogates, integers
-past int64, NaN and infinities, wrong types, Jinja that reaches outside the messages) put in one
-field or nested place (``_slots``). The schema is the served one with the ranges and shapes it
-leaves open filled in (``_enrich``). Every request must:
+``/detokenize``; ``/v1/embeddings``, ``/pooling`` and ``/score``; the GET routes) schemathesis turns
+the schema FastAPI serves at ``/openapi.json`` into requests: first its coverage cases (boundary
+values, missing and extra fields, wrong types, unexpected methods; deterministic, so every run
+repeats them; at most half the family's time), then, until the family's share of the budget is
+spent, random valid and invalid bodies from hypothesis and valid bodies with one hostile value
+(``HOSTILE_VALUES``: lone surrogates, integers past int64, NaN and infinities, wrong types, Jinja
+that reaches outside the messages) put in one field or nested place (``_slots``). The schema is the
+served one with the ranges and shapes it leaves open filled in (``_enrich``). Every request must:
 
 - get an answer below 500 (also inside an SSE stream), with the connection kept (no reset);
 - answer within ``REQUEST_TIMEOUT_S`` (a hang fails the case);
@@ -64,11 +64,20 @@ BUDGET_S = float(os.environ.get("KILN_FUZZ_SECONDS", "150"))
 SEED = int(os.environ["KILN_FUZZ_SEED"]) if os.environ.get("KILN_FUZZ_SEED") else None
 SEND_KNOWN = os.environ.get("KILN_FUZZ_KNOWN", "") not in ("", "0")
 # Shares of the budget; the generating routes cost most per case.
-SHARES = {"completions": 0.35, "chat": 0.35, "tokenize": 0.2, "get": 0.1}
+SHARES = {"completions": 0.32, "chat": 0.32, "tokenize": 0.16, "pooling": 0.1, "get": 0.1}
 FAMILIES = {
     "completions": [("/v1/completions", "POST")],
     "chat": [("/v1/chat/completions", "POST")],
     "tokenize": [("/tokenize", "POST"), ("/detokenize", "POST")],
+    # On this generate server a valid body is a 400 naming --runner pooling; the family checks
+    # the routes' validation and statuses (tests/entrypoints/openai/test_embeddings.py serves
+    # them).
+    "pooling": [
+        ("/v1/embeddings", "POST"),
+        ("/pooling", "POST"),
+        ("/score", "POST"),
+        ("/v1/score", "POST"),
+    ],
     "get": [
         ("/v1/models", "GET"),
         ("/health", "GET"),

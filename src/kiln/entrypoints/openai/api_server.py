@@ -11,10 +11,11 @@ answered (with errors), then the server exits with status 1, so a supervisor res
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
 /health`` (200, or 503 when an engine is dead or stalled, or the server is shutting down), ``GET
 /metrics`` (and ``HEAD``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET
-/debug/plugins``.
-With ``--api-key``, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the key (the routes that run
-the tokenizer or a template). A request body over ``--max-request-body-bytes`` is refused with 413
-before it is read whole.
+/debug/plugins``; the pooling routes ``POST /v1/embeddings``, ``/pooling`` and ``/score``
+(``serving_pooling``; a 400 unless the server runs ``--runner pooling``).
+With ``--api-key``, ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/pooling`` and ``/score`` need
+the key (the routes that run the tokenizer, a template or the model). A request body over
+``--max-request-body-bytes`` is refused with 413 before it is read whole.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ from kiln.entrypoints.openai.serving_models import (
     UnloadLoRAAdapterRequest,
     parse_lora_modules,
 )
+from kiln.entrypoints.openai.serving_pooling import register_pooling_routes
 from kiln.messages import EngineDeadError
 from kiln.model_executor.loader import resolve_model_ref
 
 logger = logging.getLogger("kiln.server")
 
 
-_GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+_GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/pooling", "/score"})
 
 
 def _is_guarded(path: str) -> bool:
@@ -255,6 +257,7 @@ def build_app(
             return _json(api)
         return _json({**json.loads(ready.plugin_report), "api_process": api})
 
+    register_pooling_routes(app, state)
     install_openapi(app, bool(api_keys))
     return app
 

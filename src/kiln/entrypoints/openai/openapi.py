@@ -7,9 +7,11 @@ replaces that: each operation lists the statuses it can answer, each error with 
 
 - every operation: 500 (a bug; the body names an error id);
 - a body: 400 (invalid request) and 413 (over ``--max-request-body-bytes``);
-- with ``--api-key``, the guarded routes (``/v1/*``, ``/tokenize``, ``/detokenize``): 401;
-- a ``model`` field (generation and tokenizer routes) or an adapter name: 404;
-- generation routes: 503 (overloaded, engine not running, shutting down); ``/health``: 503.
+- with ``--api-key``, the guarded routes (``/v1/*``, ``/tokenize``, ``/detokenize``,
+  ``/pooling``, ``/score``): 401;
+- a ``model`` field (generation, pooling and tokenizer routes) or an adapter name: 404;
+- generation and pooling routes: 503 (overloaded, engine not running, shutting down);
+  ``/health``: 503.
 """
 
 from __future__ import annotations
@@ -19,9 +21,20 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/pooling",
+        "/score",
+        "/v1/score",
+    }
+)
+"""Routes that run the model (the pooling ones too): 503 when overloaded or shutting down."""
 NOT_FOUND_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize", "/v1/unload_lora_adapter"}
 """Routes that answer 404: an unknown ``model``, or an adapter name not loaded."""
+_GUARDED_PATHS = ("/tokenize", "/detokenize", "/pooling", "/score")
 _DESCRIPTIONS = {
     "400": "Invalid request: a field out of range, of the wrong type, or refused",
     "401": "Missing or wrong API key",
@@ -53,7 +66,7 @@ def error_statuses(path: str, has_body: bool, api_keys: bool) -> list[str]:
     statuses = {"500"}
     if has_body:
         statuses |= {"400", "413"}
-    if api_keys and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+    if api_keys and (path.startswith("/v1/") or path in _GUARDED_PATHS):
         statuses.add("401")
     if path in NOT_FOUND_PATHS:
         statuses.add("404")
