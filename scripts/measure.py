@@ -33,8 +33,8 @@ PLUGIN_MACHINERY = ("plugins", "patches", "platforms", "testing")
 LAYERS: list[list[str]] = [
     # What everything may use: plain data, config, wire messages, the registry type, the
     # interface checks, the plugin config sections.
-    ["utils", "config", "sampling_params", "outputs", "forward_context", "messages",
-     "plugins.registry", "plugins.interfaces", "plugins.config", "lora.request"],
+    ["utils", "config", "sampling_params", "pooling_params", "outputs", "forward_context",
+     "messages", "plugins.registry", "plugins.interfaces", "plugins.config", "lora.request"],
     ["patches"],
     # The parts of a forward; hardware-independent; they do not pick a platform.
     # LoRA: adapter folders, the lora_apply op and the runner's adapter slots. Speculative
