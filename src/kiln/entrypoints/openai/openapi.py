@@ -9,6 +9,8 @@ replaces that: each operation lists the statuses it can answer, each error with 
 - a body: 400 (invalid request) and 413 (over ``--max-request-body-bytes``);
 - with ``--api-key``, the guarded routes (``/v1/*``, ``/tokenize``, ``/detokenize``): 401;
 - a ``model`` field (generation and tokenizer routes) or an adapter name: 404;
+- a stored response's id (``previous_response_id``, ``/v1/responses/{response_id}...``): 404;
+- ``POST /v1/responses/{response_id}/cancel``: 400 (the response has finished);
 - generation routes: 503 (overloaded, engine not running, shutting down); ``/health``: 503.
 """
 
@@ -19,13 +21,21 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-NOT_FOUND_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize", "/v1/unload_lora_adapter"}
-"""Routes that answer 404: an unknown ``model``, or an adapter name not loaded."""
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+STORED_RESPONSE_PATHS = frozenset(
+    {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
+)
+NOT_FOUND_PATHS = (
+    GENERATION_PATHS
+    | STORED_RESPONSE_PATHS
+    | {"/tokenize", "/detokenize", "/v1/unload_lora_adapter"}
+)
+"""Routes that answer 404: an unknown ``model``, an adapter name not loaded, or an unknown
+stored response."""
 _DESCRIPTIONS = {
     "400": "Invalid request: a field out of range, of the wrong type, or refused",
     "401": "Missing or wrong API key",
-    "404": "Unknown model or adapter",
+    "404": "Unknown model, adapter or stored response",
     "413": "Request body over the server's limit",
     "500": "Internal error (a bug); the body names an error id the server log has",
     "503": "Overloaded, the engine is not running, or the server is shutting down",
@@ -53,6 +63,8 @@ def error_statuses(path: str, has_body: bool, api_keys: bool) -> list[str]:
     statuses = {"500"}
     if has_body:
         statuses |= {"400", "413"}
+    if path == "/v1/responses/{response_id}/cancel":
+        statuses.add("400")
     if api_keys and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
         statuses.add("401")
     if path in NOT_FOUND_PATHS:
