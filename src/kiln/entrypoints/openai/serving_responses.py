@@ -200,9 +200,12 @@ class OpenAIServingResponses(OpenAIServing):
                 if event["type"] in ("response.completed", "response.incomplete"):
                     kept.keep(event["response"])
                     finished = True
+                elif event["type"] == "error":
+                    kept.keep({**kept.skeleton, "status": "failed"})
+                    finished = True
                 yield sse_event(event)
         finally:
-            if not finished:  # the client left, or the stream failed
+            if not finished:  # the client left
                 kept.keep({**kept.skeleton, "status": "cancelled"})
 
     # -- stored responses -----------------------------------------------------------------------
