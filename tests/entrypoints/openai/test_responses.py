@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 from kiln.testing.server import BASE_ARGS, KilnServer, metric, scrape, wait_until_idle
 
 KEY, OTHER_KEY = "key-one", "key-two"
+MAX_STORED = 24
 SYSTEM = "You are a terse assistant."
 QUESTION = "What is the capital of France?"
 # Long enough to be in flight while the test acts on it.
@@ -26,7 +29,8 @@ LONG = {"structured_outputs": {"regex": "(ab ){400}"}, "max_output_tokens": 900}
 
 @pytest.fixture(scope="module")
 def server(model_path: str) -> Iterator[KilnServer]:
-    kiln = KilnServer([*BASE_ARGS, "--api-key", KEY, "--api-key", OTHER_KEY])
+    store = ["--responses-store-max-entries", str(MAX_STORED)]
+    kiln = KilnServer([*BASE_ARGS, "--api-key", KEY, "--api-key", OTHER_KEY, *store])
     yield kiln
     kiln.stop()
 
@@ -279,6 +283,35 @@ def test_retrieve_delete_and_per_key_isolation(server: KilnServer, model: str) -
     unstored = mine.responses.create(model=model, input=QUESTION, max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         mine.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_newest_entries_only(server: KilnServer, model: str) -> None:
+    mine, theirs = _client(server), _client(server, OTHER_KEY)
+    oldest = mine.responses.create(model=model, input="a", max_output_tokens=1)
+    # The bound is all keys together: the other key's responses evict this one's.
+    newer = [
+        theirs.responses.create(model=model, input="b", max_output_tokens=1)
+        for _ in range(MAX_STORED)
+    ]
+    with pytest.raises(openai.NotFoundError):
+        mine.responses.retrieve(oldest.id)
+    for response in (newer[0], newer[-1]):
+        assert theirs.responses.retrieve(response.id).id == response.id
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--responses-store-ttl", "0"],
+        ["--responses-store-max-entries", "-1"],
+        ["--responses-store-max-bytes", "-5"],
+    ],
+)
+def test_bad_store_flags_stop_the_start(flag: list[str]) -> None:
+    command = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *flag]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "responses store bounds" in done.stderr
 
 
 def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, model: str) -> None:
