@@ -73,6 +73,7 @@ FAMILIES = {
         ("/v1/responses", "POST"),
         ("/v1/responses/{response_id}", "GET"),
         ("/v1/responses/{response_id}", "DELETE"),
+        ("/v1/responses/{response_id}/input_items", "GET"),
         ("/v1/responses/{response_id}/cancel", "POST"),
     ],
     "tokenize": [("/tokenize", "POST"), ("/detokenize", "POST")],

@@ -339,6 +339,24 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
     assert second.previous_response_id == first.id
 
 
+def test_input_items_list_the_conversation(client: openai.OpenAI, model: str) -> None:
+    first = client.responses.create(model=model, input=QUESTION, max_output_tokens=3)
+    given = [{"role": "user", "content": "More?"}]
+    second = client.responses.create(
+        model=model, previous_response_id=first.id, input=given, max_output_tokens=3
+    )
+    page = client.responses.input_items.list(second.id, order="asc")
+    kinds = [(item.type, getattr(item, "role", None)) for item in page.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert page.data[1].id == first.output[0].id and not page.has_more
+    newest = client.responses.input_items.list(second.id, limit=1)  # desc by default
+    assert [item.id for item in newest.data] == [page.data[-1].id] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=5, after=newest.data[0].id)
+    assert [item.id for item in rest.data] == [page.data[1].id, page.data[0].id]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=101)
+
+
 def test_cancel_aborts_a_response_in_flight(http: httpx.Client, model: str) -> None:
     response, lines = _open_stream(http, {"model": model, "input": "Write.", **LONG})
     try:
@@ -423,6 +441,7 @@ def test_unknown_ids_are_404(http: httpx.Client, model: str) -> None:
         ("GET", "/v1/responses/resp_nope"),
         ("DELETE", "/v1/responses/resp_nope"),
         ("POST", "/v1/responses/resp_nope/cancel"),
+        ("GET", "/v1/responses/resp_nope/input_items"),
     ]:
         assert http.request(method, path).status_code == 404
     unknown_model = http.post("/v1/responses", json={"model": "nope", "input": "hi"})

@@ -11,6 +11,7 @@ replaces that: each operation lists the statuses it can answer, each error with 
 - a ``model`` field (generation and tokenizer routes) or an adapter name: 404;
 - a stored response's id (``previous_response_id``, ``/v1/responses/{response_id}...``): 404;
 - ``POST /v1/responses/{response_id}/cancel``: 400 (the response has finished);
+  ``GET /v1/responses/{response_id}/input_items``: 400 (a bad ``limit``, ``order``, ``after``);
 - generation routes: 503 (overloaded, engine not running, shutting down); ``/health``: 503.
 """
 
@@ -23,7 +24,11 @@ from fastapi.openapi.utils import get_openapi
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 STORED_RESPONSE_PATHS = frozenset(
-    {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
+    {
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/responses/{response_id}/input_items",
+    }
 )
 NOT_FOUND_PATHS = (
     GENERATION_PATHS
@@ -63,7 +68,7 @@ def error_statuses(path: str, has_body: bool, api_keys: bool) -> list[str]:
     statuses = {"500"}
     if has_body:
         statuses |= {"400", "413"}
-    if path == "/v1/responses/{response_id}/cancel":
+    if path in ("/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items"):
         statuses.add("400")
     if api_keys and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
         statuses.add("401")

@@ -97,11 +97,21 @@ def check_request(request: ResponsesRequest) -> None:
             )
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
 def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """``input`` as a list of items (a string is one user message)."""
+    """``input`` as a list of items (a string is one user message), each with its ``type`` and
+    an ``id`` (as OpenAI lists stored input items); other values are kept as given."""
     if isinstance(request.input, str):
-        return [{"type": "message", "role": "user", "content": request.input}]
-    return list(request.input)
+        return [{"type": "message", "id": new_id("msg"), "role": "user", "content": request.input}]
+    items = []
+    for item in request.input:
+        if isinstance(item, dict) and "id" not in item:
+            kind = item.get("type", "message")
+            item = {"type": kind, "id": new_id(_ID_PREFIXES.get(kind, "item")), **item}
+        items.append(item)
+    return items
 
 
 def _text_content(content: Any, where: str) -> str:

@@ -15,8 +15,9 @@ Response (non-streaming)::
      the request's instructions, max_output_tokens, metadata, tools, tool_choice, temperature,
      top_p, text, reasoning, store, previous_response_id, user, parallel_tool_calls, ...}
 
-Routes: ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}``,
-``POST /v1/responses/{id}/cancel``. With ``store`` (the default) a response is kept in the
+Routes: ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel``. With ``store`` (the default) a response is kept in the
 ``ResponseStore`` of its API key (see ``namespace``) while it runs and after; ``cancel`` aborts
 one in progress (its engine requests, freeing their KV blocks) and answers it ``cancelled``; a
 finished one cannot be cancelled (400). ``previous_response_id`` continues a stored
@@ -56,6 +57,10 @@ from kiln.entrypoints.openai.responses_stream import ResponseEvents, response_ev
 from kiln.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from kiln.entrypoints.openai.serving_engine import OpenAIServing, ServerState
 from kiln.outputs import RequestOutput
+
+DEFAULT_LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+"""``GET /v1/responses/{id}/input_items``' page sizes (OpenAI's)."""
 
 
 def namespace(raw: Request, has_api_keys: bool) -> str:
@@ -216,6 +221,42 @@ class OpenAIServingResponses(OpenAIServing):
             raise _not_found(response_id)
         return entry.response
 
+    def list_input_items(
+        self, space: str, response_id: str, limit: int, order: str, after: str | None
+    ) -> dict[str, Any]:
+        """A page of the items the response was given (previous ones included), as OpenAI
+        lists them: ``order`` ``desc`` (the default) or ``asc``, ``limit`` 1-100, ``after`` an
+        item id.
+
+        Raises:
+            OpenAIError: 404 for an unknown response, 400 for a bad ``limit``, ``order`` or
+                ``after``.
+        """
+        entry = self.store.get(space, response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise OpenAIError(f"limit must be in [1, {MAX_LIST_LIMIT}], got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        num_inputs = len(entry.conversation) - len(entry.response["output"])
+        items = entry.conversation[:num_inputs]
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise OpenAIError(f"no input item has id {after!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None,
+            "has_more": len(items) > limit,
+        }
+
     def delete(self, space: str, response_id: str) -> dict[str, Any]:
         if not self.store.delete(space, response_id):
             raise _not_found(response_id)
@@ -244,7 +285,7 @@ class OpenAIServingResponses(OpenAIServing):
 
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, has_keys: bool) -> None:
-    """Register the four ``/v1/responses`` routes on ``app``."""
+    """Register the ``/v1/responses`` routes on ``app``."""
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
@@ -253,6 +294,17 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, has_keys
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, raw: Request) -> Response:
         return _json(serving.retrieve(namespace(raw, has_keys), response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str,
+        raw: Request,
+        limit: int = DEFAULT_LIST_LIMIT,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> Response:
+        space = namespace(raw, has_keys)
+        return _json(serving.list_input_items(space, response_id, limit, order, after))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request) -> Response:
