@@ -129,6 +129,19 @@ def test_usage_counts_match_the_tokenizer(client: openai.OpenAI, model: str, hf_
     assert response.output[0].status == "incomplete"
 
 
+def test_cached_tokens_are_the_prefix_cache_hits(client: openai.OpenAI, model: str) -> None:
+    long_input = "Remember these words: " + " ".join(f"w{i}" for i in range(40))
+    body = {"model": model, "input": long_input, "temperature": 0, "max_output_tokens": 2}
+    client.responses.create(**body)
+    again = client.responses.create(**body)
+    streamed = list(client.responses.create(**body, stream=True))[-1].response
+    block_size = 16  # the server's default
+    for usage in (again.usage, streamed.usage):
+        # Every full block of the prompt but the last token's (as vLLM: one token is computed).
+        expected = (usage.input_tokens - 1) // block_size * block_size
+        assert expected > 0 and usage.input_tokens_details.cached_tokens == expected
+
+
 def test_request_fields_are_echoed(client: openai.OpenAI, model: str) -> None:
     response = client.responses.create(
         model=model,

@@ -366,10 +366,11 @@ def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def usage_of(chat_usage: dict[str, int]) -> dict[str, Any]:
+def usage_of(chat_usage: dict[str, int], num_cached_tokens: int) -> dict[str, Any]:
+    """Responses' ``usage`` from chat's and the prompt tokens the prefix cache held."""
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": num_cached_tokens},
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],

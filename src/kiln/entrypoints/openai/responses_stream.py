@@ -16,7 +16,7 @@ What it must not know: HTTP, the engine, the store.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -41,8 +41,10 @@ def sse_event(event: dict[str, Any]) -> bytes:
 class ResponseEvents:
     """One streamed response: fold chat chunks in (``take``), get the events to send."""
 
-    def __init__(self, skeleton: dict[str, Any]) -> None:
+    def __init__(self, skeleton: dict[str, Any], num_cached_tokens: Callable[[], int]) -> None:
         self.skeleton = skeleton
+        self.num_cached_tokens = num_cached_tokens
+        """The prompt tokens the prefix cache held, known once the request has run."""
         """The response object without output (status ``in_progress``)."""
         self.sequence_number = 0
         self.items: list[dict[str, Any]] = []
@@ -197,7 +199,7 @@ class ResponseEvents:
             "status": status,
             "incomplete_details": details,
             "output": self.items,
-            "usage": usage_of(self.usage) if self.usage else None,
+            "usage": usage_of(self.usage, self.num_cached_tokens()) if self.usage else None,
         }
         kind = "response.completed" if status == "completed" else "response.incomplete"
         events.append(self._event(kind, response=response))

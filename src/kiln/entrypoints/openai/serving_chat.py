@@ -133,6 +133,8 @@ class ChatRun:
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
         self.parsers: list[ChoiceParser] | None = None
+        self.num_cached_tokens = 0
+        """Prompt tokens found in the prefix cache (the Responses API reports them)."""
         """Per choice, with tools or a reasoning parser: content -> reasoning and tool calls."""
         self.is_streaming = bool(request.stream)
 
@@ -182,6 +184,7 @@ class ChatRun:
 
     def _take(self, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold one delta into the choices; returns the delta choices to stream."""
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         choices = []
         for completion in output.outputs:
             i = completion.index

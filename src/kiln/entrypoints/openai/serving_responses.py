@@ -190,7 +190,7 @@ class OpenAIServingResponses(OpenAIServing):
             "status": status,
             "incomplete_details": details,
             "output": output_items(choice["message"], status),
-            "usage": usage_of(chat["usage"]),
+            "usage": usage_of(chat["usage"], run.num_cached_tokens),
         }
         kept.keep(response)
         return response
@@ -198,7 +198,7 @@ class OpenAIServingResponses(OpenAIServing):
     async def _stream(
         self, kept: _Kept, run: ChatRun, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[bytes]:
-        events = ResponseEvents(kept.skeleton)
+        events = ResponseEvents(kept.skeleton, lambda: run.num_cached_tokens)
         finished = False
         try:
             async for event in response_events(events, run.chunks(outputs)):
