@@ -1,11 +1,12 @@
 """Property-based fuzzing of a live ``kiln serve``, driven by the server's own OpenAPI schema.
 
-Contract. For each route family (``/v1/completions``; ``/v1/chat/completions``; ``/tokenize`` and
-``/detokenize``; ``/v1/embeddings``, ``/pooling`` and ``/score``; the GET routes) schemathesis turns
-the schema FastAPI serves at ``/openapi.json`` into requests: first its coverage cases (boundary
-values, missing and extra fields, wrong types, unexpected methods; deterministic, so every run
-repeats them; at most half the family's time), then, until the family's share of the budget is
-spent, random valid and invalid bodies from hypothesis and valid bodies with one hostile value
+Contract. For each route family (``/v1/completions``; ``/v1/chat/completions``;
+``/v1/responses`` and its stored-response routes; ``/tokenize`` and ``/detokenize``;
+``/v1/embeddings``, ``/pooling`` and ``/score``; the GET routes) schemathesis turns the schema
+FastAPI serves at ``/openapi.json`` into requests: first its coverage cases (boundary values,
+missing and extra fields, wrong types, unexpected methods; deterministic, so every run repeats
+them; at most half the family's time), then, until the family's share of the budget is spent,
+random valid and invalid bodies from hypothesis and valid bodies with one hostile value
 (``HOSTILE_VALUES``: lone surrogates, integers past int64, NaN and infinities, wrong types, Jinja
 that reaches outside the messages) put in one field or nested place (``_slots``). The schema is the
 served one with the ranges and shapes it leaves open filled in (``_enrich``). Every request must:
@@ -64,10 +65,24 @@ BUDGET_S = float(os.environ.get("KILN_FUZZ_SECONDS", "150"))
 SEED = int(os.environ["KILN_FUZZ_SEED"]) if os.environ.get("KILN_FUZZ_SEED") else None
 SEND_KNOWN = os.environ.get("KILN_FUZZ_KNOWN", "") not in ("", "0")
 # Shares of the budget; the generating routes cost most per case.
-SHARES = {"completions": 0.32, "chat": 0.32, "tokenize": 0.16, "pooling": 0.1, "get": 0.1}
+SHARES = {
+    "completions": 0.27,
+    "chat": 0.27,
+    "responses": 0.14,
+    "tokenize": 0.12,
+    "pooling": 0.1,
+    "get": 0.1,
+}
 FAMILIES = {
     "completions": [("/v1/completions", "POST")],
     "chat": [("/v1/chat/completions", "POST")],
+    "responses": [
+        ("/v1/responses", "POST"),
+        ("/v1/responses/{response_id}", "GET"),
+        ("/v1/responses/{response_id}", "DELETE"),
+        ("/v1/responses/{response_id}/input_items", "GET"),
+        ("/v1/responses/{response_id}/cancel", "POST"),
+    ],
     "tokenize": [("/tokenize", "POST"), ("/detokenize", "POST")],
     # On this generate server a valid body is a 400 naming --runner pooling; the family checks
     # the routes' validation and statuses (tests/entrypoints/openai/test_embeddings.py serves
@@ -156,6 +171,7 @@ _SAMPLING_RANGES: dict[str, dict[str, float]] = {
     "priority": {"minimum": -10, "maximum": 10},
     "max_tokens": {"minimum": 1, "maximum": MAX_TOKENS},
     "max_completion_tokens": {"minimum": 1, "maximum": MAX_TOKENS},
+    "max_output_tokens": {"minimum": 1, "maximum": MAX_TOKENS},
     "logprobs": {"minimum": 0, "maximum": 5},
     "top_logprobs": {"minimum": 0, "maximum": 5},
     "prompt_logprobs": {"minimum": 0, "maximum": 5},
@@ -182,7 +198,7 @@ def _enrich(raw: dict[str, Any], model_name: str) -> dict[str, Any]:
     """
     schema = copy.deepcopy(raw)
     components = schema["components"]["schemas"]
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
         props = components[name]["properties"]
         for field_name, limits in _SAMPLING_RANGES.items():
             for option in _options(props.get(field_name, {}), "integer"):
@@ -199,6 +215,7 @@ def _enrich(raw: dict[str, Any], model_name: str) -> dict[str, Any]:
         "ChatCompletionRequest",
         "TokenizeRequest",
         "DetokenizeRequest",
+        "ResponsesRequest",
     ):
         props = components.get(name, {}).get("properties", {})
         if "model" in props:
@@ -229,6 +246,26 @@ def _enrich(raw: dict[str, Any], model_name: str) -> dict[str, Any]:
     for option in _options(tokens, "array"):
         option["items"] = _TOKEN_ID
 
+    responses = components["ResponsesRequest"]
+    # Input that answers: text, or a few message items; the refused fields only when false/null.
+    item = {
+        "type": "object",
+        "properties": {
+            "role": {"enum": ["user", "system", "developer", "assistant"]},
+            "content": {"type": "string"},
+        },
+        "required": ["role", "content"],
+    }
+    responses["properties"]["input"] = {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_PROMPTS},
+        ]
+    }
+    responses["required"] = sorted({*responses.get("required", []), "input"})
+    for field_name in ("background", "top_logprobs", "previous_response_id", "tools"):
+        responses["properties"][field_name] = {"type": "null"}
+
     message = components["ChatMessage"]["properties"]
     message["role"] = {
         "anyOf": [
@@ -257,7 +294,7 @@ def _cheapen(path: str, body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if type(value) is int and MAX_TOKENS < value <= MAX_MODEL_LEN:
             body[key] = MAX_TOKENS
@@ -268,6 +305,8 @@ def _cheapen(path: str, body: Any) -> Any:
         body.get(key) is None for key in ("max_tokens", "max_completion_tokens")
     ):
         body["max_completion_tokens"] = MAX_TOKENS
+    if path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_TOKENS
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         body["prompt"] = prompt[:MAX_PROMPTS]
@@ -334,6 +373,14 @@ def _slots(properties: list[str], path: str) -> list[Callable[[dict, Any], dict]
             _in_message(lambda v: {"name": v}),
             _in_message(lambda v: {"content": [{"type": "text", "text": v}]}),
             _in_message(lambda v: {"content": [{"type": v, "text": "hi"}]}),
+        ]
+    if "input" in properties:  # /v1/responses: an item's role, content, part and type
+        slots += [
+            lambda b, v: {**b, "input": [{"role": "user", "content": v}]},
+            lambda b, v: {**b, "input": [{"role": v, "content": "hi"}]},
+            lambda b, v: {**b, "input": [{"role": "user", "content": [{"type": v, "text": "a"}]}]},
+            lambda b, v: {**b, "input": [{"type": v, "call_id": "c", "output": "x"}]},
+            lambda b, v: {**b, "tools": [{"type": "function", "name": "f", "parameters": v}]},
         ]
     if "chat_template_kwargs" in properties:
         slots += [
@@ -501,7 +548,9 @@ def _send(http: httpx.Client, method: str, path: str, body: Any, headers: dict, 
         for line in payload.decode("utf-8", "replace").splitlines():
             if not line.startswith("data: {"):
                 continue
-            error = json.loads(line[len("data: ") :]).get("error")
+            data = json.loads(line[len("data: ") :])
+            # Chat's error chunk, or a Responses ``error`` event (its code a string).
+            error = data if data.get("type") == "error" else data.get("error")
             if isinstance(error, dict) and int(error.get("code") or 0) >= 500:
                 detail = str(error.get("message"))[:300]
                 out.fail(Failure("in-stream 5xx", method, path, content, detail))

@@ -8,7 +8,8 @@ abort the rest (their responses end with finish_reason ``"abort"``), stop the en
 exit 0. A second signal skips the wait. If the engine core dies, the requests in flight are
 answered (with errors), then the server exits with status 1, so a supervisor restarts it.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``/v1/responses`` (see
+``serving_responses``), ``GET /v1/models``, ``GET
 /health`` (200, or 503 when an engine is dead or stalled, or the server is shutting down), ``GET
 /metrics`` (and ``HEAD``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET
 /debug/plugins``; the pooling routes ``POST /v1/embeddings``, ``/pooling`` and ``/score``
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -37,22 +37,20 @@ from typing import Any
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
-from starlette.exceptions import HTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kiln
 from kiln.config import KilnConfig
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.chat_tools import ToolServerOptions, resolve_server_options
-from kiln.entrypoints.openai.errors import (
-    OpenAIError,
-    error_response,
-    install_exception_handlers,
-    internal_error,
-)
+from kiln.entrypoints.openai.errors import OpenAIError, install_exception_handlers
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    InternalErrorMiddleware,
+)
 from kiln.entrypoints.openai.openapi import install_openapi
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -60,6 +58,7 @@ from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kiln.entrypoints.openai.responses_store import ResponseStore
 from kiln.entrypoints.openai.serving_chat import OpenAIServingChat
 from kiln.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kiln.entrypoints.openai.serving_engine import ServerOptions, ServerState
@@ -71,104 +70,11 @@ from kiln.entrypoints.openai.serving_models import (
     parse_lora_modules,
 )
 from kiln.entrypoints.openai.serving_pooling import register_pooling_routes
+from kiln.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from kiln.messages import EngineDeadError
 from kiln.model_executor.loader import resolve_model_ref
 
 logger = logging.getLogger("kiln.server")
-
-
-_GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/pooling", "/score"})
-
-
-def _is_guarded(path: str) -> bool:
-    return path in _GUARDED_PATHS or path.startswith("/v1/")
-
-
-class APIKeyMiddleware:
-    """Answers 401 to a request for a guarded route (``/v1/*``, ``/tokenize``, ``/detokenize``)
-    without ``Authorization: Bearer <one of the keys>``."""
-
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
-        self.app = app
-        self.expected = [f"Bearer {key}".encode() for key in api_keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _is_guarded(scope.get("path", "")):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not any(hmac.compare_digest(given, key) for key in self.expected):
-                error = OpenAIError(
-                    "Unauthorized: send a valid API key as `Authorization: Bearer <key>`.", 401
-                )
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """Refuses a request body over ``max_bytes`` with 413: at once when its ``Content-Length``
-    says so, else (a chunked body) as soon as more than that has arrived."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _too_large(self) -> OpenAIError:
-        return OpenAIError(
-            f"The request body is larger than this server's limit of {self.max_bytes} bytes "
-            "(--max-request-body-bytes).",
-            413,
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(self._too_large())(scope, receive, send)
-            return
-        num_received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal num_received
-            message = await receive()
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if num_received > self.max_bytes:
-                    # An HTTPException passes FastAPI's body parsing unchanged (see errors).
-                    raise HTTPException(413, self._too_large().message)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-class InternalErrorMiddleware:
-    """Answers an unexpected exception with a 500 OpenAI error body and keeps the connection
-    usable: Starlette's last-resort handler re-raises after answering, and uvicorn then drops the
-    keep-alive connection without ``Connection: close``. After the response has started there is
-    nothing to answer: the exception goes on (uvicorn closes the connection)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if started:
-                raise
-            error = internal_error(exc, str(scope.get("path")))
-            await error_response(error)(scope, receive, send)
 
 
 def _json(body: Any) -> Response:
@@ -205,6 +111,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(request, raw)
+
+    add_responses_routes(app, OpenAIServingResponses(state, chat), bool(api_keys))
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -415,6 +323,9 @@ async def serve(args: argparse.Namespace, config: KilnConfig, sock: socket.socke
                 max_lora_adapters=args.max_lora_adapters,
                 metrics_prefix=args.metrics_prefix,
                 engine_stall_timeout=args.engine_stall_timeout,
+                responses_store_max_entries=args.responses_store_max_entries,
+                responses_store_max_bytes=args.responses_store_max_bytes,
+                responses_store_ttl=args.responses_store_ttl,
             )
             model_path = resolve_model_ref(config.model.model)
             state = ServerState(llm, llm.model_name, model_path, options=options)
@@ -469,6 +380,11 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         config = init_process("api", EngineArgs.from_cli_args(args).create_config())
         _tool_options(args)  # parser names, once general plugins have registered theirs
+        ResponseStore(  # the bounds' ValueError, before the model loads
+            args.responses_store_max_entries,
+            args.responses_store_max_bytes,
+            args.responses_store_ttl,
+        )
         if parse_lora_modules(args.lora_modules) and not config.lora.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
     except (ValueError, PlatformSelectionError) as exc:

@@ -23,6 +23,10 @@ DEFAULT_MAX_LORA_ADAPTERS = 256
 DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 """Far above a step's length (a chunk of prefill takes well under a second), and below common
 liveness-probe budgets (Kubernetes: three failures ten seconds apart)."""
+DEFAULT_RESPONSES_STORE_MAX_ENTRIES = 10_000
+DEFAULT_RESPONSES_STORE_MAX_BYTES = 256 * 2**20
+DEFAULT_RESPONSES_STORE_TTL_S = 3600.0
+"""An hour: an agent's conversation lives minutes; the store is memory, not a database."""
 METRICS_PREFIXES = ("vllm", "kiln")
 """``--metrics-prefix`` choices; the first is the default."""
 
@@ -133,6 +137,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=METRICS_PREFIXES,
         help="prefix of the /metrics names: vllm (vLLM's names, which its Grafana dashboards "
         "query) or kiln (Kiln's earlier names, kiln:...)",
+    )
+    g.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_MAX_ENTRIES,
+        metavar="N",
+        help="the most responses /v1/responses keeps for GET and previous_response_id (store: "
+        "true), all API keys together; the oldest go first; 0: keep none "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_MAX_BYTES,
+        metavar="BYTES",
+        help="the most bytes (as JSON) the stored responses and their conversations may hold; "
+        "the oldest go first (default: %(default)s)",
+    )
+    g.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_RESPONSES_STORE_TTL_S,
+        metavar="SECONDS",
+        help="how long a stored response is kept (default: %(default)s)",
     )
     g.add_argument(
         "--uvicorn-log-level",

@@ -10,6 +10,9 @@ replaces that: each operation lists the statuses it can answer, each error with 
 - with ``--api-key``, the guarded routes (``/v1/*``, ``/tokenize``, ``/detokenize``,
   ``/pooling``, ``/score``): 401;
 - a ``model`` field (generation, pooling and tokenizer routes) or an adapter name: 404;
+- a stored response's id (``previous_response_id``, ``/v1/responses/{response_id}...``): 404;
+- ``POST /v1/responses/{response_id}/cancel``: 400 (the response has finished);
+  ``GET /v1/responses/{response_id}/input_items``: 400 (a bad ``limit``, ``order``, ``after``);
 - generation and pooling routes: 503 (overloaded, engine not running, shutting down);
   ``/health``: 503.
 """
@@ -25,6 +28,7 @@ GENERATION_PATHS = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/embeddings",
         "/pooling",
         "/score",
@@ -32,13 +36,25 @@ GENERATION_PATHS = frozenset(
     }
 )
 """Routes that run the model (the pooling ones too): 503 when overloaded or shutting down."""
-NOT_FOUND_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize", "/v1/unload_lora_adapter"}
-"""Routes that answer 404: an unknown ``model``, or an adapter name not loaded."""
+STORED_RESPONSE_PATHS = frozenset(
+    {
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/responses/{response_id}/input_items",
+    }
+)
+NOT_FOUND_PATHS = (
+    GENERATION_PATHS
+    | STORED_RESPONSE_PATHS
+    | {"/tokenize", "/detokenize", "/v1/unload_lora_adapter"}
+)
+"""Routes that answer 404: an unknown ``model``, an adapter name not loaded, or an unknown
+stored response."""
 _GUARDED_PATHS = ("/tokenize", "/detokenize", "/pooling", "/score")
 _DESCRIPTIONS = {
     "400": "Invalid request: a field out of range, of the wrong type, or refused",
     "401": "Missing or wrong API key",
-    "404": "Unknown model or adapter",
+    "404": "Unknown model, adapter or stored response",
     "413": "Request body over the server's limit",
     "500": "Internal error (a bug); the body names an error id the server log has",
     "503": "Overloaded, the engine is not running, or the server is shutting down",
@@ -66,6 +82,8 @@ def error_statuses(path: str, has_body: bool, api_keys: bool) -> list[str]:
     statuses = {"500"}
     if has_body:
         statuses |= {"400", "413"}
+    if path in ("/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items"):
+        statuses.add("400")
     if api_keys and (path.startswith("/v1/") or path in _GUARDED_PATHS):
         statuses.add("401")
     if path in NOT_FOUND_PATHS:

@@ -44,8 +44,24 @@ class OpenAIServingChat(OpenAIServing):
     request_fields = frozenset(ChatCompletionRequest.model_fields)
 
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
-        lora_request = self.check_model(request.model)
         self.note_unknown_fields(request)
+        request_id = self.make_request_id("chatcmpl", request, raw)
+        ids, run, outputs = await self.start(request, request_id)
+        if request.stream:
+            return self.stream(ids, run.stream(outputs))
+        return await self.respond(raw, ids, run.collect(outputs))
+
+    async def start(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[list[str], ChatRun, AsyncIterator[tuple[int, RequestOutput]]]:
+        """Check, render and admit ``request``: its engine request ids, the run that turns its
+        outputs into the answer (``ChatRun.collect``, or ``ChatRun.chunks`` / ``stream``), and
+        the outputs. The Responses route runs its chat requests through here too.
+
+        Raises:
+            OpenAIError: 4xx for a bad request, 503 when the engine cannot take it.
+        """
+        lora_request = self.check_model(request.model)
         tool_options = self.state.options.tools
         plan = plan_tools(request, tool_options)
         max_tokens = request.max_completion_tokens
@@ -78,22 +94,19 @@ class OpenAIServingChat(OpenAIServing):
             chat_template=request.chat_template,
             chat_template_kwargs=template_kwargs,
         )
-        request_id = self.make_request_id("chatcmpl", request, raw)
         engine_requests = self.process(request_id, [prompt], params, request.priority, lora_request)
         self.check_response_size(engine_requests)
         self.check_ready()
         ids, outputs = self.generate(engine_requests)
         model = self.model_name(lora_request)
         num_prompt_tokens = len(engine_requests[0].prompt_token_ids)  # after truncation
-        run = _ChatRun(self, request, request_id, num_prompt_tokens, top_logprobs, model)
+        run = ChatRun(self, request, request_id, num_prompt_tokens, top_logprobs, model)
         if plan.choice != "none" or tool_options.reasoning_parser is not None:
             run.parsers = [ChoiceParser(plan, tool_options) for _ in range(request.n)]
-        if request.stream:
-            return self.stream(ids, run.stream(outputs))
-        return await self.respond(raw, ids, run.collect(outputs))
+        return ids, run, outputs
 
 
-class _ChatRun:
+class ChatRun:
     """One chat request in flight: turns engine outputs into the response or its chunks."""
 
     def __init__(
@@ -120,6 +133,8 @@ class _ChatRun:
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
         self.parsers: list[ChoiceParser] | None = None
+        self.num_cached_tokens = 0
+        """Prompt tokens found in the prefix cache (the Responses API reports them)."""
         """Per choice, with tools or a reasoning parser: content -> reasoning and tool calls."""
         self.is_streaming = bool(request.stream)
 
@@ -169,6 +184,7 @@ class _ChatRun:
 
     def _take(self, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold one delta into the choices; returns the delta choices to stream."""
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         choices = []
         for completion in output.outputs:
             i = completion.index
@@ -219,18 +235,19 @@ class _ChatRun:
             return engine_reason
         return self.parsers[i].finish_reason(engine_reason)
 
-    async def stream(
+    async def chunks(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` s of a streamed answer, as objects."""
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
 
-        def chunk(choice: dict[str, Any]) -> bytes:
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
             data = self._chunk([choice])
             if include_usage:
                 data["usage"] = self._usage() if continuous else None
-            return sse(data)
+            return data
 
         for i in range(self.request.n):
             role = {"role": "assistant", "content": ""}
@@ -239,7 +256,14 @@ class _ChatRun:
             for choice in self._take(output):
                 yield chunk(choice)
         if include_usage:
-            yield sse({**self._chunk([]), "usage": self._usage()})
+            yield {**self._chunk([]), "usage": self._usage()}
+
+    async def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[bytes]:
+        """``chunks`` as SSE events."""
+        async for chunk in self.chunks(outputs):
+            yield sse(chunk)
 
     def _message(self, i: int) -> dict[str, Any]:
         text = "".join(self.texts[i])
@@ -270,4 +294,4 @@ class _ChatRun:
         }
 
 
-__all__ = ["OpenAIServingChat"]
+__all__ = ["ChatRun", "OpenAIServingChat"]

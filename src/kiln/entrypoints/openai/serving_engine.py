@@ -79,6 +79,12 @@ class ServerOptions:
     """The prefix of the ``/metrics`` names (``--metrics-prefix``: vllm or kiln)."""
     engine_stall_timeout: float = 30.0
     """``/health`` is 503 while an engine with requests waiting is silent this long (0: off)."""
+    responses_store_max_entries: int = 10_000
+    """The most responses ``/v1/responses`` keeps (``store``), all API keys together."""
+    responses_store_max_bytes: int = 256 * 2**20
+    """The most bytes (as JSON) of stored responses and their conversations."""
+    responses_store_ttl: float = 3600.0
+    """Seconds a stored response is kept."""
 
 
 @dataclass
@@ -485,13 +491,16 @@ class OpenAIServing:
             return Response(status_code=499)  # nobody is listening
         return Response(msgspec.json.encode(body), media_type="application/json")
 
-    def stream(self, request_ids: list[str], chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    def stream(
+        self, request_ids: list[str], chunks: AsyncIterator[bytes], framed: bool = True
+    ) -> StreamingResponse:
         """An SSE response: the events of ``chunks``, an error event if they fail, then
-        ``data: [DONE]``."""
+        ``data: [DONE]``; with ``framed`` false, ``chunks`` as they are (they end and report
+        errors themselves)."""
 
         async def events() -> AsyncIterator[bytes]:
             with self.tracked(request_ids):
-                async for event in sse_events(chunks):
+                async for event in sse_events(chunks) if framed else chunks:
                     yield event
 
         return StreamingResponse(
