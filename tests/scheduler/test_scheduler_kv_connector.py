@@ -71,7 +71,7 @@ def run(scheduler: Scheduler, runner: FakeRunner, *requests) -> dict[str, list[i
 def test_a_prefix_evicted_from_the_cache_is_loaded_from_the_cpu_tier():
     # 12 usable blocks of 4 slots: two 40-token prompts cannot both stay cached.
     scheduler = make_scheduler(13, kv_transfer=offloading(64))
-    assert isinstance(scheduler.connector, OffloadingConnector)
+    assert isinstance(scheduler.transfers.connector, OffloadingConnector)
     runner = TieredRunner()
     prompt_a, prompt_b = distinct_prompt(0, 40), distinct_prompt(1, 40)
     first = run(scheduler, runner, make_request("a1", prompt_a))
@@ -120,11 +120,11 @@ def test_the_tier_evicts_least_recently_used_blocks_and_forgets_them():
     # prompt a's first blocks left the tier: nothing past the local cache can be supplied
     request = make_request("a2", prompt_a)
     scheduler.kv_cache_manager.get_computed_blocks(request)
-    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.transfers.connector.get_num_new_matched_tokens(request, 0) == (0, False)
     # prompt b's last full blocks are the tier's, but a prefix must start at block 0
     request = make_request("b2", prompt_b)
     scheduler.kv_cache_manager.get_computed_blocks(request)
-    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.transfers.connector.get_num_new_matched_tokens(request, 0) == (0, False)
     run(scheduler, runner, make_request("a3", prompt_a))  # recomputed, and right
 
 
@@ -152,12 +152,12 @@ def test_a_failed_step_leaves_no_block_of_it_in_the_tier():
     assert scheduler.requests == {}
     request = make_request("a2", prompt)
     scheduler.kv_cache_manager.get_computed_blocks(request)
-    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.transfers.connector.get_num_new_matched_tokens(request, 0) == (0, False)
 
 
 def test_without_a_connector_the_scheduler_holds_the_null_one():
     scheduler = make_scheduler()
-    assert type(scheduler.connector) is NoConnector
+    assert type(scheduler.transfers.connector) is NoConnector
     scheduler.add_request(make_request("a", 8))
     assert scheduler.schedule().kv_connector_metadata is None
 
@@ -198,7 +198,7 @@ def test_local_hits_keep_their_blocks_in_the_tier():
     run(scheduler, runner, make_request("c1", distinct_prompt(2, 8), max_tokens=1))  # evicts 2
     request = make_request("a3", prompt_a)
     scheduler.kv_cache_manager.get_computed_blocks(request)
-    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (12, False)
+    assert scheduler.transfers.connector.get_num_new_matched_tokens(request, 0) == (12, False)
 
 
 class FailingLoadsRunner(TieredRunner):

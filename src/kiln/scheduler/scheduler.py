@@ -70,7 +70,6 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from kiln.config import KilnConfig
-from kiln.kv_transfer import KVConnectorRole, create_connector
 from kiln.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -89,6 +88,7 @@ from kiln.scheduler.kv_cache.manager import KVCacheManager
 from kiln.scheduler.pipeline import InFlightBatches, SingleBatch
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
+from kiln.scheduler.transfers import KVTransfers
 from kiln.structured_output import StructuredOutputManager
 from kiln.structured_output.manager import grammar_failure, valid_drafts
 
@@ -165,7 +165,6 @@ class Scheduler(SchedulerInterface):
         a token they sampled, their drafts): failed alone at the next ``update_from_output``."""
         self._num_preemptions = 0
         self._spec_stats = [0, 0, 0]  # drafts, draft tokens, accepted tokens since make_stats()
-        self._connector_stats: dict[str, float] = {}  # KV connector counters since make_stats()
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_grammar = GrammarWaitlist(self.structured_output_manager)
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
@@ -182,14 +181,10 @@ class Scheduler(SchedulerInterface):
         """What each waiting request must pass to start (``kiln.scheduler.admission``)."""
         if config.lora.enable_lora:
             self.admission_rules.append(LoRASlots(config.lora.max_loras))
-        self._sending: dict[str, Request] = {}
-        """Finished requests whose blocks the connector holds until their save is done."""
-        self.kv_load_failure_policy = config.kv_transfer.kv_load_failure_policy
-        self._load_failed: set[str] = set()
-        """Requests recomputed after a failed load: the connector is not asked for them."""
-        self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
-        """The KV connector's scheduler side (``kiln.kv_transfer``; the null ``NoConnector``
-        without one): blocks beyond the local prefix cache, and the step's transfers."""
+        self.transfers = KVTransfers(config, self.kv_cache_manager)
+        """The KV connector's scheduler side (``kiln.scheduler.transfers``; over the null
+        ``NoConnector`` without one): tokens beyond the local prefix cache, and each step's
+        transfers."""
 
     @property
     def in_flight(self) -> AbstractSet[str]:
@@ -305,7 +300,7 @@ class Scheduler(SchedulerInterface):
             grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=step.spec_tokens,
         )
-        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        output.kv_connector_metadata = self.transfers.metadata(output)
         return output
 
     def _schedule_running(self, step: _StepBuilder) -> None:
@@ -371,17 +366,8 @@ class Scheduler(SchedulerInterface):
                 break
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_external = 0
-            if request.request_id in self._load_failed:
-                pass  # recomputed: not through the connector again
-            elif all(rule.may_reuse_prefix(request) for rule in rules):
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_hit_tokens
-                )
-                if load_async:
-                    raise NotImplementedError(
-                        f"{type(self.connector).__name__} asked for an asynchronous load; Kiln "
-                        "loads within the step (finish them in start_load_kv)"
-                    )
+            if all(rule.may_reuse_prefix(request) for rule in rules):
+                num_external = self.transfers.num_external_tokens(request, num_hit_tokens)
             else:
                 hit_blocks, num_hit_tokens = [], 0
             num_computed = num_hit_tokens + num_external
@@ -400,10 +386,7 @@ class Scheduler(SchedulerInterface):
             if block_ids is None:
                 break
             waiting.pop()
-            self.connector.update_state_after_alloc(request, block_ids, num_external)
-            if num_external:
-                stats = self._connector_stats
-                stats["hit_tokens"] = stats.get("hit_tokens", 0) + num_external
+            self.transfers.admitted(request, block_ids, num_external)
             step.new_reqs.append(self._start_running(request, block_ids, num_computed))
             for rule in rules:
                 rule.admit(request)
@@ -555,7 +538,6 @@ class Scheduler(SchedulerInterface):
         prefix_stats = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
         (num_drafts, num_draft_tokens, num_accepted), self._spec_stats = self._spec_stats, [0, 0, 0]
-        connector_stats, self._connector_stats = self._connector_stats, {}
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -566,7 +548,7 @@ class Scheduler(SchedulerInterface):
             spec_num_drafts=num_drafts,
             spec_num_draft_tokens=num_draft_tokens,
             spec_num_accepted_tokens=num_accepted,
-            kv_connector_stats=connector_stats,
+            kv_connector_stats=self.transfers.take_stats(),
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -677,46 +659,21 @@ class Scheduler(SchedulerInterface):
         )
 
     def _apply_transfers(self, report: KVConnectorOutput) -> None:
-        """The connector's report: free the blocks of requests whose save finished; keep its
-        counters for ``make_stats``."""
-        for request_id in report.finished_sending:
-            request = self._sending.pop(request_id, None)
-            if request is not None:
-                self.kv_cache_manager.free(request)
-        for name, value in report.stats.items():
-            self._connector_stats[name] = self._connector_stats.get(name, 0) + value
-        if report.invalid_block_ids:
-            self._recover_failed_loads(report.invalid_block_ids)
-
-    def _recover_failed_loads(self, invalid_block_ids: set[int]) -> None:
-        """Running requests holding a block whose load failed: the blocks from the first such
-        one leave the prefix cache, and the request is recomputed (preempted: the step's token,
-        made from wrong KV, is dropped) or, with ``kv_load_failure_policy`` "fail", finished
-        with finish reason "error"."""
-        for request in [r for r in self.running if r.request_id not in self.in_flight]:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            bad = [i for i, block_id in enumerate(block_ids) if block_id in invalid_block_ids]
-            if not bad:
-                continue
-            self.kv_cache_manager.uncache(request, bad[0] * self.block_size)
-            stats = self._connector_stats
-            stats["failed_loads"] = stats.get("failed_loads", 0) + 1
-            if self.kv_load_failure_policy == "fail":
-                self._fail(request, "its KV-cache blocks failed to load")
+        """The connector's report (``KVTransfers.apply``): a request whose load failed is
+        recomputed (preempted: the step's token, made from wrong KV, is dropped) or, with
+        ``kv_load_failure_policy`` "fail", finished with finish reason "error"."""
+        running = [r for r in self.running if r.request_id not in self.in_flight]
+        for request in self.transfers.apply(report, running):
+            reason = "its KV-cache blocks failed to load"
+            if self.transfers.fail_on_load_error:
+                self._fail(request, reason)
             else:
-                self._load_failed.add(request.request_id)
-                self._preempt(request, "its KV-cache blocks failed to load")
+                self._preempt(request, reason)
         self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
-        self._load_failed.discard(request_id)
-        block_ids = self.kv_cache_manager.get_block_ids(request_id)
-        hold, _ = self.connector.request_finished(request, block_ids)
-        if hold:  # freed when the worker reports the save done (_free_sent)
-            self._sending[request_id] = request
-        else:
-            self.kv_cache_manager.free(request)
+        self.transfers.release(request)
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)
