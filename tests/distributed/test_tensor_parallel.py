@@ -42,6 +42,28 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         llm.llm_engine.engine_core.shutdown()
 
 
+GEMMA = dict(
+    initializer_range=0.05,  # 0.2 with tied, sqrt(hidden)-scaled embeddings repeats the prompt
+    tie_word_embeddings=True,
+    sliding_window=8,  # shorter than the prompts + 16 tokens
+    layer_types=["sliding_attention", "full_attention"],
+    pad_token_id=None,
+)
+EXTRA = {
+    # Phi-3's default special tokens (32000) lie outside the small vocabulary.
+    "phi3": {"pad_token_id": None, "eos_token_id": 2},
+    "gemma2": {**GEMMA, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 10.0},
+    "gemma3_text": {
+        **GEMMA,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    },
+}
+"""Per model type, config fields beside the shapes the test sets."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_type", "num_kv_heads"),
@@ -53,6 +75,8 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         ("olmo2", 4),
         ("olmo2", 1),
         ("phi3", 4),
+        ("gemma2", 4),
+        ("gemma3_text", 1),
     ],
     ids=[
         "llama-4kv",
@@ -62,22 +86,25 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         "olmo2-4kv",  # q/k norms over the whole projections: statistics summed over ranks
         "olmo2-1kv-replicated",
         "phi3-4kv",  # fused checkpoint projections split per rank
+        "gemma2-4kv",  # soft caps, sliding and global layers, tied embeddings
+        "gemma3-1kv-replicated",  # q/k norms per head, two rotary bases
     ],
 )
 def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
     tmp_path, gguf_path, model_type, num_kv_heads
 ):
-    folder = save_tiny_model(
-        tmp_path / model_type,
-        model_type,
+    config = dict(
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
         head_dim=32,
         vocab_size=257,  # odd: the last rank's shard has a padding row
         initializer_range=0.2,  # peaked logits: no greedy ties
+    )
+    folder = save_tiny_model(
+        tmp_path / model_type,
+        model_type,
         random_norms=True,  # a norm weight sharded wrongly cannot hide behind ones
-        # Phi-3's default special tokens (32000) lie outside the small vocabulary.
-        **({"pad_token_id": None, "eos_token_id": 2} if model_type == "phi3" else {}),
+        **{**config, **EXTRA.get(model_type, {})},
     )
     tp1 = _greedy(folder, 1, TOKEN_PROMPTS, tokenizer=gguf_path)
     tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)
