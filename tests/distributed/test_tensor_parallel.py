@@ -17,7 +17,7 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.config import KilnConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from kiln.distributed.parallel_state import prepare_tensor_parallel_config
-from kiln.testing.models import save_tiny_model
+from kiln.testing.models import TINY_GEMMA, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
 TOKEN_PROMPTS = [
@@ -42,13 +42,8 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         llm.llm_engine.engine_core.shutdown()
 
 
-GEMMA = dict(
-    initializer_range=0.05,  # 0.2 with tied, sqrt(hidden)-scaled embeddings repeats the prompt
-    tie_word_embeddings=True,
-    sliding_window=8,  # shorter than the prompts + 16 tokens
-    layer_types=["sliding_attention", "full_attention"],
-    pad_token_id=None,
-)
+# This test's vocabulary (257: a padding row) and head size; the rest of TINY_GEMMA's fields.
+GEMMA = {**TINY_GEMMA, "vocab_size": 257, "head_dim": 32}
 EXTRA = {
     # Phi-3's default special tokens (32000) lie outside the small vocabulary.
     "phi3": {"pad_token_id": None, "eos_token_id": 2},

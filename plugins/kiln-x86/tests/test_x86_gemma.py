@@ -16,24 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln.testing import run_python
-from kiln.testing.models import save_tiny_model
+from kiln.testing.models import TINY_GEMMA, save_tiny_model
 from kiln.testing.reference import hf_greedy
 
 NUM_TOKENS = 32
 LOGPROB_ATOL = 1e-4
 PROMPTS = [[1, 5, 9, 200, 17], [(11 * i) % 251 for i in range(1, 41)]]
-GEMMA = dict(
-    vocab_size=251,
-    initializer_range=0.05,
-    tie_word_embeddings=True,
-    head_dim=48,
-    query_pre_attn_scalar=40,
-    sliding_window=8,
-    layer_types=["sliding_attention", "full_attention"],
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=None,
-)
 MODELS = {
     "gemma2": dict(attn_logit_softcapping=3.0, final_logit_softcapping=10.0),
     "gemma3_text": dict(
@@ -79,7 +67,7 @@ print(json.dumps(result))
 @pytest.mark.slow
 def test_gemma_on_x86_with_graphs_matches_transformers(tmp_path, gguf_path):
     folders = {
-        name: save_tiny_model(tmp_path / name, name, random_norms=True, **GEMMA, **config)
+        name: save_tiny_model(tmp_path / name, name, random_norms=True, **TINY_GEMMA, **config)
         for name, config in MODELS.items()
     }
     args = [gguf_path, json.dumps(PROMPTS), str(NUM_TOKENS), json.dumps(list(folders.values()))]

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, Phi3Config
 
 from kiln import LLM, SamplingParams
 from kiln.model_executor.models.phi3 import Phi3ForCausalLM
-from kiln.testing.models import save_tiny_model
+from kiln.testing.models import TINY_GEMMA, save_tiny_model
 
 # On save_tiny_model's defaults: two layers, four query heads over two KV heads (GQA).
 COMMON = dict(
@@ -33,15 +33,7 @@ COMMON = dict(
     eos_token_id=2,
     pad_token_id=None,
 )
-GEMMA = dict(
-    # Smaller than COMMON's: sqrt(hidden) times the tied embedding otherwise repeats the prompt.
-    initializer_range=0.05,
-    tie_word_embeddings=True,
-    head_dim=48,  # not hidden_size / num_attention_heads (32)
-    query_pre_attn_scalar=40,  # not head_dim
-    sliding_window=8,
-    layer_types=["sliding_attention", "full_attention"],
-)
+GEMMA = TINY_GEMMA  # COMMON's fields, with a smaller initializer_range
 FAMILIES = {
     "granite": dict(
         model_type="granite",
