@@ -17,7 +17,7 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.config import KilnConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from kiln.distributed.parallel_state import prepare_tensor_parallel_config
-from kiln.testing.models import save_tiny_model
+from kiln.testing.models import TINY_GEMMA, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
 TOKEN_PROMPTS = [
@@ -49,6 +49,23 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         llm.llm_engine.engine_core.shutdown()
 
 
+# This test's vocabulary (257: a padding row) and head size; the rest of TINY_GEMMA's fields.
+GEMMA = {**TINY_GEMMA, "vocab_size": 257, "head_dim": 32}
+EXTRA = {
+    # Phi-3's default special tokens (32000) lie outside the small vocabulary.
+    "phi3": {"pad_token_id": None, "eos_token_id": 2},
+    "gemma2": {**GEMMA, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 10.0},
+    "gemma3_text": {
+        **GEMMA,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    },
+}
+"""Per model type, config fields beside the shapes the test sets."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_type", "num_kv_heads"),
@@ -62,6 +79,8 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         ("phi3", 4),
         ("mixtral", 4),
         ("qwen3_moe", 4),
+        ("gemma2", 4),
+        ("gemma3_text", 1),
     ],
     ids=[
         "llama-4kv",
@@ -73,23 +92,25 @@ def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
         "phi3-4kv",  # fused checkpoint projections split per rank
         "mixtral-4kv",  # experts' intermediate dimension split per rank
         "qwen3_moe-4kv",  # and a dense layer beside the sparse one
+        "gemma2-4kv",  # soft caps, sliding and global layers, tied embeddings
+        "gemma3-1kv-replicated",  # q/k norms per head, two rotary bases
     ],
 )
 def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
     tmp_path, gguf_path, model_type, num_kv_heads
 ):
-    folder = save_tiny_model(
-        tmp_path / model_type,
-        model_type,
+    config = dict(
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
         head_dim=32,
         vocab_size=257,  # odd: the last rank's shard has a padding row
         initializer_range=0.2,  # peaked logits: no greedy ties
+    )
+    folder = save_tiny_model(
+        tmp_path / model_type,
+        model_type,
         random_norms=True,  # a norm weight sharded wrongly cannot hide behind ones
-        # Phi-3's default special tokens (32000) lie outside the small vocabulary.
-        **({"pad_token_id": None, "eos_token_id": 2} if model_type == "phi3" else {}),
-        **MOE_CONFIGS.get(model_type, {}),
+        **{**config, **EXTRA.get(model_type, {}), **MOE_CONFIGS.get(model_type, {})},
     )
     tp1 = _greedy(folder, 1, TOKEN_PROMPTS, tokenizer=gguf_path)
     tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)

@@ -11,6 +11,8 @@ from kiln.plugins.registry import Registry
 from kiln.utils import resolve_obj_by_qualname
 
 _BUILTIN_MODELS = {
+    "Gemma2ForCausalLM": "kiln.model_executor.models.gemma2.Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "kiln.model_executor.models.gemma3.Gemma3ForCausalLM",
     "GraniteForCausalLM": "kiln.model_executor.models.granite.GraniteForCausalLM",
     "LlamaForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",
     "MistralForCausalLM": "kiln.model_executor.models.llama.LlamaForCausalLM",

@@ -6,6 +6,23 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+TINY_GEMMA: dict[str, Any] = dict(
+    vocab_size=251,  # no multiple of 8
+    # Smaller than the usual 0.2: sqrt(hidden) times a tied embedding otherwise repeats the prompt.
+    initializer_range=0.05,
+    tie_word_embeddings=True,
+    head_dim=48,  # not hidden_size / num_attention_heads (32)
+    query_pre_attn_scalar=40,  # not head_dim
+    sliding_window=8,  # shorter than most prompts plus their completions
+    layer_types=["sliding_attention", "full_attention"],
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+"""``save_tiny_model`` fields of a small Gemma 2 / Gemma 3 (``gemma2`` / ``gemma3_text``) in
+which each Gemma-specific piece changes the output; add the soft caps (Gemma 2) or the rotary
+bases (Gemma 3) a test needs."""
+
 
 def save_tiny_model(
     folder: str | pathlib.Path,

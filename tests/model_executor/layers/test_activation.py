@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -26,3 +27,23 @@ def test_silu_and_mul_matches_separate_projections() -> None:
     expected = F.silu(F.linear(hidden, w_gate)) * F.linear(hidden, w_up)
     torch.testing.assert_close(SiluAndMul()(fused), expected, rtol=1e-5, atol=1e-5)
     assert fused.shape == (4, 64)  # input untouched
+
+
+@pytest.mark.parametrize(
+    ("approximate", "hf_name"), [("tanh", "gelu_pytorch_tanh"), ("none", "gelu")]
+)
+def test_gelu_and_mul_matches_hf_activation(approximate: str, hf_name: str) -> None:
+    from transformers.activations import ACT2FN
+
+    from kiln.model_executor.layers.activation import GeluAndMul
+
+    x = (3 * torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2))).bfloat16()
+    expected = ACT2FN[hf_name](x[:, :40]) * x[:, 40:]
+    torch.testing.assert_close(GeluAndMul(approximate)(x), expected, rtol=0, atol=0)
+
+
+def test_gelu_and_mul_refuses_another_approximation() -> None:
+    from kiln.model_executor.layers.activation import GeluAndMul
+
+    with pytest.raises(ValueError, match="approximate"):
+        GeluAndMul("erf")

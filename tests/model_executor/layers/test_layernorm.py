@@ -48,3 +48,24 @@ def test_rms_norm_normalizes_last_dim_of_3d() -> None:
     torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
     norms = (ours(x) / ours.weight).pow(2).mean(-1)
     torch.testing.assert_close(norms, torch.ones(3, 4), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_matches_hf_bitwise(dtype: torch.dtype) -> None:
+    # (1 + w), statistics and scale in float32, one rounding: Gemma2RMSNorm's arithmetic.
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from kiln.model_executor.layers.layernorm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    weight = (0.3 * torch.randn(64, generator=gen)).to(dtype)
+    ours, ref = GemmaRMSNorm(64, 1e-6, dtype), Gemma2RMSNorm(64, 1e-6).to(dtype)
+    assert bool((ours.weight == 0).all())  # a scale of 1 before loading, as the checkpoints'
+    ours.weight.data.copy_(weight)
+    ref.weight.data.copy_(weight)
+    x = (3 * torch.randn(5, 64, generator=gen)).to(dtype)
+    residual = torch.randn(5, 64, generator=gen).to(dtype)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    out, new_residual = ours(x, residual)
+    torch.testing.assert_close(new_residual, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref(x + residual), rtol=0, atol=0)

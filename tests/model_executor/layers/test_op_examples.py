@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kiln.model_executor.custom_op import OP_REGISTRY
-from kiln.model_executor.layers.activation import SiluAndMul
-from kiln.model_executor.layers.layernorm import RMSNorm
+from kiln.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from kiln.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kiln.model_executor.layers.linear import LinearBase
 from kiln.model_executor.layers.rotary_embedding import RotaryEmbedding
 from kiln.model_executor.layers.vocab_embedding import LogitsProcessor, VocabParallelEmbedding
@@ -15,6 +15,8 @@ from kiln.model_executor.layers.vocab_embedding import LogitsProcessor, VocabPar
 OPS = {
     "rms_norm": RMSNorm,
     "silu_and_mul": SiluAndMul,
+    "gemma_rms_norm": GemmaRMSNorm,
+    "gelu_and_mul": GeluAndMul,
     "rotary_embedding": RotaryEmbedding,
     "linear": LinearBase,
     "vocab_parallel_embedding": VocabParallelEmbedding,

@@ -338,3 +338,111 @@ def test_fast_reader_parses_like_gguf_reader(tmp_path) -> None:
     for ours, theirs in zip(fast.tensors, plain.tensors, strict=True):
         assert ours.tensor_type == theirs.tensor_type
         np.testing.assert_array_equal(ours.data, theirs.data)
+
+
+# Hugging Face module names -> llama.cpp's, in a Gemma block (written from gguf's tensor map).
+GEMMA_LAYER_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gemma_gguf(path: str, arch: str, hf_model: torch.nn.Module) -> None:
+    """A Hugging Face Gemma model as llama.cpp's converter writes it: GGUF names, norm weights
+    stored as ``1 + w``, the soft caps, window and head size in the metadata, float32 tensors."""
+    cfg = hf_model.config
+    writer = GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    if rope.get("rope_type", "default") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            writer.add_float32(f"{arch}.{key}", getattr(cfg, key))
+    for name, tensor in hf_model.state_dict().items():
+        value = tensor.float().numpy()
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.endswith("norm.weight"):
+            value = value + 1
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.removesuffix(".weight")
+            gguf_name = f"blk.{layer}.{GEMMA_LAYER_GGUF[module]}.weight"
+        writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+GEMMA_GGUF = {
+    # GGUF holds no query_pre_attn_scalar (llama.cpp: head_dim), no layer_types (Gemma 2
+    # alternates; Gemma 3 globals every 6th layer, its local rotary base 10000).
+    "gemma2": dict(num_hidden_layers=2, attn_logit_softcapping=3.0, final_logit_softcapping=10.0),
+    "gemma3_text": dict(
+        num_hidden_layers=6,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", list(GEMMA_GGUF))
+def test_gemma_gguf_serves_as_its_hf_model(tmp_path, default_gguf, model_type) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kiln import LLM, SamplingParams
+    from kiln.testing.models import TINY_GEMMA, save_tiny_model
+    from kiln.testing.reference import hf_greedy
+
+    # No layer_types: the config's default pattern, as the GGUF loader assumes it.
+    config = {**TINY_GEMMA, "query_pre_attn_scalar": 48, "layer_types": None}
+    folder = save_tiny_model(
+        tmp_path / "hf", model_type, random_norms=True, **{**config, **GEMMA_GGUF[model_type]}
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    arch = model_type.removesuffix("_text")
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gemma_gguf(path, arch, hf_model)
+    prompts = [[1, 5, 9, 200, 17], [(11 * i) % 251 for i in range(1, 41)]]
+    llm = LLM(
+        path, tokenizer=default_gguf, dtype="float32", kv_cache_memory=0.02, max_model_len=256
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 32)

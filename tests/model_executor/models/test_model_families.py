@@ -1,4 +1,5 @@
-"""Kiln's Granite, OLMo 2 and Phi-3 against ``transformers``, through the offline ``LLM``.
+"""Kiln's Granite, OLMo 2, Phi-3, Gemma 2 and Gemma 3 against ``transformers``, through the
+offline ``LLM``.
 
 Each family is a small random model made by ``transformers`` from a seeded config
 (``save_tiny_model``: two layers, four query heads over two KV heads, here a vocabulary of 251, no
@@ -8,7 +9,10 @@ installed: a pytest process selects one platform) and must give transformers' gr
 32 steps, and logprobs (the chosen token and the top 5) within 1e-4 of transformers' float32
 ``log_softmax`` at every position. The configs switch on what is particular to each family:
 Granite's four multipliers, OLMo 2's post-norm blocks and whole-projection q/k norms, Phi-3's
-fused checkpoint projections and a sliding window shorter than the sequences.
+fused checkpoint projections and a sliding window shorter than the sequences; Gemma's sliding and
+global layers (window 8, shorter than every sequence), soft caps small enough to change the
+attention scores and the logits (Gemma 2), a ``head_dim`` and a ``query_pre_attn_scalar`` of
+their own, tied embeddings, and Gemma 3's two rotary bases with linear scaling on the global one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from transformers import AutoModelForCausalLM, Phi3Config
 
 from kiln import LLM, SamplingParams
 from kiln.model_executor.models.phi3 import Phi3ForCausalLM
-from kiln.testing.models import save_tiny_model
+from kiln.testing.models import TINY_GEMMA, save_tiny_model
 
 # On save_tiny_model's defaults: two layers, four query heads over two KV heads (GQA).
 COMMON = dict(
@@ -29,6 +33,7 @@ COMMON = dict(
     eos_token_id=2,
     pad_token_id=None,
 )
+GEMMA = TINY_GEMMA  # COMMON's fields, with a smaller initializer_range
 FAMILIES = {
     "granite": dict(
         model_type="granite",
@@ -40,6 +45,17 @@ FAMILIES = {
     ),
     "olmo2": dict(model_type="olmo2"),
     "phi3": dict(model_type="phi3", sliding_window=20),
+    "gemma2": dict(
+        model_type="gemma2", **GEMMA, attn_logit_softcapping=3.0, final_logit_softcapping=10.0
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        **GEMMA,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ),
 }
 NUM_TOKENS = 32
 NUM_TOP = 5
@@ -57,7 +73,10 @@ def family(request, tmp_path_factory):
     config = dict(FAMILIES[request.param])
     model_type = config.pop("model_type")
     folder = save_tiny_model(
-        tmp_path_factory.mktemp(request.param), model_type, random_norms=True, **COMMON, **config
+        tmp_path_factory.mktemp(request.param),
+        model_type,
+        random_norms=True,
+        **{**COMMON, **config},
     )
     hf_model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"

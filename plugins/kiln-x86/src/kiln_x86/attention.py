@@ -23,11 +23,19 @@ kernels cannot be built (no compiler) the backend logs it once and runs the refe
 instead. Float16 models and batch-invariant mode keep the reference backends (the platform names
 them): the kernel handles float32 and bfloat16, and its prefill tiles are not held to batch
 invariance (only a decode's independence of the step is tested).
+
+The kernel has no logits soft-capping (Gemma 2's ``attn_logit_softcapping``): a layer built with
+``logits_soft_cap`` says so once, in a warning at start-up, and runs on the reference CPU
+backend's implementation, whose metadata the step's metadata builds on first use
+(``X86AttentionMetadata.reference``); the cache layout is the same, so the other layers keep the
+kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import logging
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +50,8 @@ from kiln.plugin_api import (
 from kiln_x86.kernels import ATTENTION_CFLAGS, ATTENTION_SOURCE, load_extension
 
 EXTENSION = "kiln_x86_attention"
+
+logger = logging.getLogger(__name__)
 
 
 def load_attention_kernels() -> ModuleType | None:
@@ -72,6 +82,18 @@ class X86AttentionMetadata:
     prompt_reqs: torch.Tensor
     """[num_reqs] int32, 1 where a request's new rows are prompt rows (the kernel tiles them even
     when there is one), or empty where the core did not say (one new row is then a decode)."""
+    common: CommonAttentionMetadata | None = None
+    """The core's metadata of the step, for ``reference``."""
+    reference_builder: AttentionMetadataBuilder[Any] | None = None
+    _reference: Any = field(default=None, repr=False)
+
+    def reference(self) -> Any:
+        """The reference CPU backend's metadata of this step (for soft-capped layers), built on
+        the first call and shared by every layer of the step."""
+        if self._reference is None:
+            assert self.common is not None and self.reference_builder is not None
+            self._reference = self.reference_builder.build(self.common)
+        return self._reference
 
 
 class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
@@ -80,8 +102,10 @@ class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
     def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
         super().__init__(block_size, device)
         self.reference: AttentionMetadataBuilder[Any] | None = None
+        # For layers the kernel cannot compute (soft-capped ones), or for all without kernels.
+        self.reference_builder = _reference_backend().get_metadata_builder_cls()(block_size, device)
         if load_attention_kernels() is None:
-            self.reference = _reference_backend().get_metadata_builder_cls()(block_size, device)
+            self.reference = self.reference_builder
 
     def build(self, common: CommonAttentionMetadata) -> Any:
         if self.reference is not None:
@@ -104,6 +128,8 @@ class X86AttentionMetadataBuilder(AttentionMetadataBuilder[Any]):
             seq_lens=seq_lens.contiguous(),
             block_table=block_table.contiguous(),
             prompt_reqs=prompt_reqs.contiguous(),
+            common=common,
+            reference_builder=self.reference_builder,
         )
 
 
@@ -153,8 +179,9 @@ class X86AttentionImpl(AttentionImpl[Any]):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -163,10 +190,14 @@ class X86AttentionImpl(AttentionImpl[Any]):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.kernels = load_attention_kernels()
         self.reference: AttentionImpl[Any] | None = None
-        if self.kernels is None:
-            self.reference = _reference_backend().get_impl_cls()(
-                num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window
-            )
+        # A soft-capped layer: the reference on the step's reference metadata (see the module).
+        self.soft_capped = logits_soft_cap is not None and self.kernels is not None
+        if self.kernels is None or self.soft_capped:
+            reference_cls = _reference_backend().get_impl_cls()
+            shape = (num_heads, head_size, scale, num_kv_heads)
+            self.reference = reference_cls(*shape, sliding_window, logits_soft_cap)
+        if self.soft_capped:
+            _warn_soft_cap_once()
 
     def forward(
         self,
@@ -177,6 +208,10 @@ class X86AttentionImpl(AttentionImpl[Any]):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> torch.Tensor:
+        if self.soft_capped:
+            assert self.reference is not None
+            md_ref = attn_metadata.reference()
+            return self.reference.forward(layer, query, key, value, kv_cache, md_ref)
         if self.reference is not None:
             return self.reference.forward(layer, query, key, value, kv_cache, attn_metadata)
         md: X86AttentionMetadata = attn_metadata
@@ -203,6 +238,14 @@ class X86AttentionImpl(AttentionImpl[Any]):
             md.prompt_reqs,
         )
         return out.view(num_tokens, self.num_heads * self.head_size).to(query.dtype)
+
+
+@functools.cache
+def _warn_soft_cap_once() -> None:
+    logger.warning(
+        "x86: the attention kernel has no logits_soft_cap (Gemma 2's attn_logit_softcapping); "
+        "soft-capped layers run on the reference CPU attention backend"
+    )
 
 
 class X86AttentionBackend(AttentionBackend):

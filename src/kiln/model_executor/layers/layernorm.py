@@ -6,6 +6,10 @@ scaled by ``weight``). ``norm(x, residual)`` first adds the residual stream, as 
 layers do, and returns ``(normed, x + residual)``: one call per sub-layer instead of an add and a
 norm, and a fusion point for providers (the custom op ``"rms_norm"``).
 
+``GemmaRMSNorm`` is Gemma's variant: the checkpoint stores ``w`` and the scale is ``1 + w``, and
+the whole of it (statistics, scale) is computed in float32 and rounded once (custom op
+``"gemma_rms_norm"``, so providers of ``"rms_norm"`` do not take it).
+
 ``ShardedRMSNorm`` normalizes a dimension that tensor parallelism splits over ranks (OLMo 2's q/k
 norms span every head of the projection): each rank holds its columns of the weight and the mean
 square is summed over ranks.
@@ -82,6 +86,31 @@ class RMSNorm(CustomOp):
         return examples
 
 
+@register_op("gemma_rms_norm")
+class GemmaRMSNorm(RMSNorm):
+    """``x / rms(x) * (1 + weight)`` in float32, rounded to ``x``'s dtype once (Hugging Face's
+    ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``); with a residual, ``(normed, x + residual)`` as
+    ``RMSNorm``. ``weight`` starts at zeros (a scale of 1), as the checkpoints' init."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(hidden_size, eps, params_dtype)
+        self.weight.data.zero_()
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [..., hidden_size] -> normed, or ``(normed, x + residual)`` with a residual."""
+        if residual is not None:
+            x = x + residual  # in the model dtype, as Hugging Face adds its residuals
+            residual = x
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a last dimension of which this rank holds a slice.
 
@@ -131,4 +160,4 @@ class ShardedRMSNorm(RMSNorm):
         return self.weight * (xf * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
 
 
-__all__ = ["RMSNorm", "ShardedRMSNorm"]
+__all__ = ["GemmaRMSNorm", "RMSNorm", "ShardedRMSNorm"]

@@ -5,7 +5,8 @@ was converted from. ``load_hf_config`` returns ``config.json`` keys; ``iter_weig
 HF-named tensors of torch shape ``[out_features, in_features]`` (GGUF lists dims innermost first,
 so its ``[in, out]`` is our ``[out, in]``), dequantized to float32 and cast to the requested dtype.
 The Q/K projections of llama-arch files are un-permuted back to the HF rotary layout (see
-``_unpermute_qk``). Architectures: llama, qwen2, qwen3.
+``_unpermute_qk``). Architectures: llama, qwen2, qwen3, gemma2, gemma3 (whose norm weights
+llama.cpp stores as ``1 + w``: the loader subtracts the 1).
 
 With ``keep_quantized=True`` (the model loader passes it when the platform keeps GGUF blocks,
 ``model.quantization`` "gguf"), every quantized 2-D tensor is yielded as a ``GGUFWeight`` (raw
@@ -44,6 +45,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -73,6 +76,17 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's blocks norm before and after each sub-layer; its ffn_norm is the pre-MLP norm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHS = frozenset({"gemma2", "gemma3"})
+# GGUF holds no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (these
+# layer counts), head_dim for the others.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 _FLOAT_TYPES = frozenset(
@@ -91,15 +105,17 @@ _LLAMA3_ROPE_DEFAULTS = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), or None if it has none."""
+    ``model.layers.3.self_attn.q_proj.weight``) in architecture ``arch``, or None if it has
+    none."""
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match:
         layer, kind, param = match.groups()
-        if kind not in _LAYER_NAMES:
+        names = _GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHS else _LAYER_NAMES
+        if kind not in names:
             return None
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}"
+        return f"model.layers.{layer}.{names[kind]}.{param}"
     base, _, param = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and param in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{param}"
@@ -202,7 +218,31 @@ class GGUFLoader(ModelLoader):
             "attention_bias": "blk.0.attn_q.bias" in tensors,
             "hidden_act": "silu",
         }
+        if arch in _GEMMA_ARCHS:
+            config.update(self._gemma_config(meta, arch, config))
         return config
+
+    @staticmethod
+    def _gemma_config(meta: _Metadata, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+        """Gemma's keys: its activation, soft caps and window from the metadata; what GGUF does
+        not hold (the attention scalar, Gemma 3's local rotary base and layer pattern) as
+        llama.cpp assumes it."""
+        big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        per_head = config["hidden_size"] // config["num_attention_heads"]
+        extra: dict[str, Any] = {
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": per_head if big else config["head_dim"],
+            "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+            "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+            "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        }
+        if arch == "gemma3":
+            extra["rope_local_base_freq"] = 10000.0
+            extra["sliding_window_pattern"] = int(
+                meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+            )
+        return extra
 
     @staticmethod
     def _dtype_name(tensors: dict[str, Any]) -> str:
@@ -260,7 +300,7 @@ class GGUFLoader(ModelLoader):
         for tensor in reader.tensors:
             if tensor.name in _SKIPPED_TENSORS:
                 continue
-            hf_name = hf_tensor_name(tensor.name)
+            hf_name = hf_tensor_name(tensor.name, arch)
             if hf_name is None:
                 logger.warning("GGUF tensor %s has no Hugging Face name; skipped", tensor.name)
                 continue
@@ -278,6 +318,8 @@ class GGUFLoader(ModelLoader):
             weight = dequantize(tensor.data, tensor.tensor_type)
             if kind in unpermute_heads:
                 weight = _unpermute_qk(weight, unpermute_heads[kind])
+            if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+                weight = weight - 1  # llama.cpp stores Gemma's norm scales, 1 + w
             yield hf_name, torch.from_numpy(np.ascontiguousarray(weight)).to(dtype)
 
     def tokenizer_source(self, model: str) -> str:

@@ -15,10 +15,11 @@ Contract, shared by every model in this package:
 - ``attention_layers() -> dict[layer name, Attention]`` for binding KV caches.
 
 Models know nothing about scheduling, sampling, devices or the weight file format. Variants
-(Qwen2, Qwen3, Granite, OLMo 2, Phi-3) reuse these blocks: they change ``DecoderArgs`` (biases,
-sliding windows, scales) through ``parse_config`` / ``sliding_windows``, the attention class
-through ``attention_cls``, the block through ``decoder_layer_cls`` and its feed-forward module
-through the block's ``make_mlp`` (the MoE models: ``kiln.model_executor.models.moe``).
+(Qwen2, Qwen3, Granite, OLMo 2, Phi-3, Gemma 2 and 3) reuse these blocks: they change
+``DecoderArgs`` (biases, sliding windows, scales, soft caps) through ``parse_config`` /
+``sliding_windows``, the attention class through ``attention_cls``, the block through
+``decoder_layer_cls``, its feed-forward module through ``mlp_cls`` or the block's ``make_mlp``
+(the MoE models: ``kiln.model_executor.models.moe``) and the final norm through ``norm_cls``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class DecoderArgs:
     """Multiplier of each sub-layer's output before it joins the residual stream."""
     logits_scale: float = 1.0
     """Multiplier of the logits."""
+    attn_logit_softcap: float | None = None
+    """Attention scores ``s`` become ``cap * tanh(s / cap)`` (Gemma 2's); None: no cap."""
+    local_rope_theta: float | None = None
+    """Rotary base of the sliding-window layers, without scaling (Gemma 3's); None: theirs is
+    ``rope_theta`` with ``rope_scaling``, as every layer's."""
 
 
 class LlamaMLP(nn.Module):
@@ -134,7 +140,7 @@ class LlamaMLP(nn.Module):
             quant_config=quant_config,
             prefix=join_prefix(prefix, "down_proj"),
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn: nn.Module = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, hidden] -> [T, 2 * inter] -> [T, inter] -> [T, hidden]
@@ -192,6 +198,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             prefix=join_prefix(prefix, "attn"),
             sliding_window=args.sliding_windows[layer_idx],
+            logits_soft_cap=args.attn_logit_softcap,
         )
 
     def embed_positions(
@@ -210,7 +217,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried beside the hidden states (fused adds).
-    Each sub-layer's output is scaled by ``residual_multiplier`` (Granite's; 1 elsewhere)."""
+    Each sub-layer's output is scaled by ``residual_multiplier`` (Granite's; 1 elsewhere).
+    Subclasses change the MLP through ``mlp_cls`` and the norms through ``add_norms``."""
+
+    mlp_cls: ClassVar[type[LlamaMLP]] = LlamaMLP
 
     def __init__(
         self,
@@ -227,9 +237,21 @@ class LlamaDecoderLayer(nn.Module):
             args, layer_idx, rotary_emb, dtype, quant_config, join_prefix(prefix, "self_attn")
         )
         self.mlp = self.make_mlp(args, layer_idx, dtype, quant_config, join_prefix(prefix, "mlp"))
+        self.add_norms(args, dtype)
+        self.residual_multiplier = args.residual_multiplier
+
+    def add_norms(self, args: DecoderArgs, dtype: torch.dtype) -> None:
+        """The block's norms: Llama's before the attention and before the MLP."""
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.residual_multiplier = args.residual_multiplier
+
+    def norm_input(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_layernorm(x), x)`` of the block's input ``x = hidden_states + residual``."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
 
     def make_mlp(
         self,
@@ -239,9 +261,9 @@ class LlamaDecoderLayer(nn.Module):
         quant_config: QuantizationConfig | None,
         prefix: str,
     ) -> nn.Module:
-        """The block's feed-forward module, ``[T, hidden] -> [T, hidden]`` (MoE models
-        override it: a sparse block on some layers)."""
-        return LlamaMLP(args, dtype, quant_config, prefix)
+        """The block's feed-forward module, ``[T, hidden] -> [T, hidden]``: ``mlp_cls`` (MoE
+        models override it: a sparse block on some layers)."""
+        return self.mlp_cls(args, dtype, quant_config, prefix)
 
     def forward(
         self,
@@ -250,11 +272,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual)``; their sum is the layer's output."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.norm_input(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         if self.residual_multiplier != 1.0:
             hidden_states = hidden_states * self.residual_multiplier
@@ -277,6 +295,7 @@ class LlamaModel(nn.Module):
         quant_config: QuantizationConfig | None,
         prefix: str,
         decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer,
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.pp_group = get_pp_group()
@@ -297,11 +316,16 @@ class LlamaModel(nn.Module):
         rotary_emb = RotaryEmbedding(
             args.head_dim, args.max_position, args.rope_theta, args.rope_scaling, dtype
         )
+        local_rotary_emb = rotary_emb
+        if args.local_rope_theta is not None:
+            local_rotary_emb = RotaryEmbedding(
+                args.head_dim, args.max_position, args.local_rope_theta, None, dtype
+            )
         self.layers = nn.ModuleList(
             decoder_layer_cls(
                 args,
                 i,
-                rotary_emb,
+                rotary_emb if args.sliding_windows[i] is None else local_rotary_emb,
                 attention_cls,
                 dtype,
                 quant_config,
@@ -312,7 +336,7 @@ class LlamaModel(nn.Module):
             for i in range(args.num_layers)
         )
         self.norm = (
-            RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            norm_cls(args.hidden_size, args.rms_norm_eps, dtype)
             if self.pp_group.is_last
             else MissingLayer()
         )
@@ -348,6 +372,7 @@ class LlamaForCausalLM(nn.Module):
     # Built with (args, layer_idx, rotary_emb, attention_cls, dtype, quant_config, prefix);
     # forward(positions, hidden_states, residual) -> (hidden_states, residual), as Llama's.
     decoder_layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # the final norm
     # Checkpoint module name -> (Kiln's fused module, shard id).
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -374,6 +399,7 @@ class LlamaForCausalLM(nn.Module):
             quant_config,
             join_prefix(prefix, "model"),
             self.decoder_layer_cls,
+            self.norm_cls,
         )
         pp_group = self.model.pp_group
         self.lm_head = (

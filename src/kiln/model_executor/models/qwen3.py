@@ -8,6 +8,8 @@ biases follow ``attention_bias`` (off in released models), and windows follow Qw
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from kiln.model_executor.layers.layernorm import RMSNorm
@@ -20,6 +22,8 @@ from kiln.model_executor.models.qwen2 import qwen_sliding_windows
 class Qwen3Attention(LlamaAttention):
     """Llama attention with q/k RMSNorm per head before the rotation."""
 
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # of q and k
+
     def __init__(
         self,
         args: DecoderArgs,
@@ -30,8 +34,8 @@ class Qwen3Attention(LlamaAttention):
         prefix: str,
     ) -> None:
         super().__init__(args, layer_idx, rotary_emb, dtype, quant_config, prefix)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
+        self.q_norm = self.norm_cls(args.head_dim, args.rms_norm_eps, dtype)
+        self.k_norm = self.norm_cls(args.head_dim, args.rms_norm_eps, dtype)
 
     def embed_positions(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -32,6 +32,7 @@ class PagedSim:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         backend: type = CPUAttentionBackend,
     ) -> None:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
@@ -39,6 +40,7 @@ class PagedSim:
         self.dtype = dtype
         self.scale = head_size**-0.5
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.gen = torch.Generator().manual_seed(seed)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
@@ -51,6 +53,7 @@ class PagedSim:
             num_kv_heads,
             prefix="model.layers.0.self_attn.attn",
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
             backend=backend,
         )
         self.layer.kv_cache = self.kv_cache
@@ -123,7 +126,12 @@ class PagedSim:
             self.values[req_id] = torch.cat([self.values.get(req_id, rv[:0]), rv])
             outputs[req_id] = out[start : start + num_new]
             refs[req_id] = ref_attention(
-                rq, self.keys[req_id], self.values[req_id], self.scale, self.sliding_window
+                rq,
+                self.keys[req_id],
+                self.values[req_id],
+                self.scale,
+                self.sliding_window,
+                self.logits_soft_cap,
             )
             start += num_new
         self.written_slots.update(common.slot_mapping.tolist())

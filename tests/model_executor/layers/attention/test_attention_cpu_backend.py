@@ -143,3 +143,40 @@ def test_common_metadata_slot_mapping() -> None:
     assert (common.max_query_len, common.max_seq_len) == (3, 6)
     with pytest.raises(ValueError, match="cannot hold"):
         CommonAttentionMetadata.from_block_tables([5], [0], [[1]], block_size=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_logits_soft_cap_matches_reference(make_sim, dtype, sliding_window) -> None:
+    # Scores here are ~N(0, 1): a cap of 0.8 changes every softmax (checked below).
+    sim = make_sim(
+        block_size=4, dtype=dtype, sliding_window=sliding_window, logits_soft_cap=0.8, seed=9
+    )
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    outputs, refs, _ = sim.step({"a": 13, "b": 3, "c": 1})  # prefills (nothing cached), a decode
+    assert_matches(outputs, refs, atol=tol, rtol=tol)
+    sim.add_prefix_hit("d", "a", num_blocks=2)
+    outputs, refs, _ = sim.step({"a": 1, "b": 7, "c": 1, "d": 4})  # decodes, cached prefixes
+    assert_matches(outputs, refs, atol=tol, rtol=tol)
+    sim.check_cache()
+    q, k, v = sim.make_inputs(1)
+    keys, values = torch.cat([sim.keys["a"], k]), torch.cat([sim.values["a"], v])
+    uncapped = ref_attention(q, keys, values, sim.scale, sliding_window)
+    capped = ref_attention(q, keys, values, sim.scale, sliding_window, 0.8)
+    assert (capped.float() - uncapped.float()).abs().max() > 0.05
+
+
+def test_reference_soft_cap_is_cap_times_tanh_of_the_scaled_scores() -> None:
+    # One head, hand-written in float64: softmax over 3 keys of cap * tanh(q.k * scale / cap).
+    q = torch.tensor([[[1.0, 2.0]]])  # [1, 1, 2]
+    k = torch.tensor([[[0.5, 1.0]], [[-1.0, 3.0]], [[2.0, -2.0]]])  # [3, 1, 2]
+    v = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]], [[1.0, 1.0]]])
+    scale, cap = 0.7, 1.5
+    scores = [
+        cap * torch.tanh(torch.tensor(s * scale / cap, dtype=torch.float64))
+        for s in (2.5, 5.0, -2.0)
+    ]
+    probs = torch.softmax(torch.stack(scores), 0)
+    expected = (probs[:, None] * v[:, 0].double()).sum(0)
+    got = ref_attention(q, k, v, scale, logits_soft_cap=cap)[0, 0]
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=0)

@@ -93,6 +93,12 @@ def test_layer_rejects_bad_head_counts(num_heads: int, num_kv_heads: int, head_s
         Attention(num_heads, head_size, 1.0, num_kv_heads)
 
 
+@pytest.mark.parametrize("cap", [0.0, -1.0])
+def test_layer_rejects_a_non_positive_soft_cap(cap: float) -> None:
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        Attention(4, 8, 1.0, 2, logits_soft_cap=cap)
+
+
 def test_layer_outside_forward_context_raises() -> None:
     layer = Attention(4, 8, 0.5, 2)
     with pytest.raises(RuntimeError, match="no forward context"):
@@ -175,6 +181,20 @@ def test_validation_refuses_a_wrong_impl_signature() -> None:
 
     with pytest.raises(TypeError, match="BadImpl.forward"):
         validate_attention_backend(BadBackend)
+
+
+def test_validation_refuses_an_impl_without_logits_soft_cap() -> None:
+    class OldImpl(CPUAttentionImpl):
+        def __init__(self, num_heads, head_size, scale, num_kv_heads, sliding_window=None):  # type: ignore[override]
+            super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
+
+    class OldBackend(CPUAttentionBackend):
+        @staticmethod
+        def get_impl_cls() -> type:
+            return OldImpl
+
+    with pytest.raises(TypeError, match="OldImpl.__init__"):
+        validate_attention_backend(OldBackend)
 
 
 def test_validation_refuses_a_too_small_cache_shape() -> None:

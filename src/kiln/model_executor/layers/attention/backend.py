@@ -158,6 +158,9 @@ class AttentionImpl(ABC, Generic[M]):
         num_kv_heads: key/value heads; ``num_heads`` must be a multiple (grouped-query attention:
             query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``).
         sliding_window: attend only to the last ``sliding_window`` positions, or ``None``.
+        logits_soft_cap: if set, each scaled score ``s`` becomes ``cap * tanh(s / cap)`` before
+            the mask and the softmax (Gemma 2's ``attn_logit_softcapping``); ``None``: no cap. A
+            backend without it refuses it with an error naming the argument.
     """
 
     def __init__(
@@ -167,12 +170,14 @@ class AttentionImpl(ABC, Generic[M]):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(
@@ -256,7 +261,12 @@ def validate_attention_backend(backend_cls: object) -> type[AttentionBackend]:
         raise TypeError(
             f"{name}.get_metadata_builder_cls() must return an AttentionMetadataBuilder subclass"
         )
-    _check_accepts(impl_cls.__init__, (None, 8, 64, 0.125, 2), {"sliding_window": None}, name)
+    _check_accepts(
+        impl_cls.__init__,
+        (None, 8, 64, 0.125, 2),
+        {"sliding_window": None, "logits_soft_cap": None},
+        name,
+    )
     _check_accepts(impl_cls.forward, (None,) * 7, {}, name)
     _check_accepts(builder_cls.__init__, (None, 16, "cpu"), {}, name)
     _check_accepts(builder_cls.build, (None, None), {}, name)

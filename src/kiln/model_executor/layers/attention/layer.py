@@ -44,10 +44,12 @@ class Attention(nn.Module):
         num_kv_heads: key/value heads (default: ``num_heads``); must divide ``num_heads``.
         prefix: the layer name, unique in the model; KV caches are bound by it.
         sliding_window: attend only to the last ``sliding_window`` positions, or ``None``.
+        logits_soft_cap: cap the scaled scores at ``cap * tanh(s / cap)`` (Gemma 2), or ``None``.
         backend: the backend class; default: ``get_attn_backend()``.
 
     Raises:
-        ValueError: a head count is not positive or ``num_kv_heads`` does not divide ``num_heads``.
+        ValueError: a head count is not positive, ``num_kv_heads`` does not divide ``num_heads``,
+            or ``logits_soft_cap`` is not positive.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class Attention(nn.Module):
         *,
         prefix: str = "",
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         backend: type[AttentionBackend] | None = None,
     ) -> None:
         super().__init__()
@@ -72,6 +75,8 @@ class Attention(nn.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         if backend is None:
             # Imported here: the package __init__ imports this module.
             from kiln.model_executor.layers.attention import get_attn_backend
@@ -82,10 +87,16 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.layer_name = prefix
         self.backend = backend
         self.impl = backend.get_impl_cls()(
-            num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
         # Bound by the model runner after allocation (bind_kv_cache); a plain attribute, not a
         # buffer, so it stays out of state_dict() and .to().

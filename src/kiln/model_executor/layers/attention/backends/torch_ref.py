@@ -22,6 +22,7 @@ def ref_attention(
     value: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one request's new tokens over its whole context.
 
@@ -31,6 +32,7 @@ def ref_attention(
         value: [seq_len, num_kv_heads, head_size].
         scale: multiplier of ``q @ k^T``.
         sliding_window: if set, query at position p sees keys in ``(p - sliding_window, p]``.
+        logits_soft_cap: if set, each scaled score ``s`` is ``cap * tanh(s / cap)``.
 
     Returns:
         [query_len, num_heads, head_size] in ``query``'s dtype.
@@ -43,6 +45,8 @@ def ref_attention(
     k = key.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size]
     v = value.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, query_len, seq_len]
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
     visible = k_pos <= q_pos  # [query_len, seq_len]
