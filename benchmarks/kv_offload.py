@@ -31,7 +31,6 @@ from typing import Any
 
 from kiln import LLM, SamplingParams
 from kiln.model_executor.loader.default_model import default_model_path
-from kiln.model_executor.model_loader import kv_cache_bytes_per_token
 
 GIB = 1 << 30
 
@@ -103,8 +102,8 @@ def main() -> None:
     args = parser.parse_args()
 
     probe = LLM(default_model_path(), kv_cache_memory=0.05, max_model_len=256)
-    executor = probe.llm_engine.engine_core.engine_core.executor
-    bytes_per_token = executor.get_kv_cache_bytes_per_block() / probe.llm_engine.config.cache.block_size
+    cache = probe.llm_engine.config.cache  # the engine core measured its bytes per block
+    bytes_per_token = cache.bytes_per_block / cache.block_size
     del probe
     gc.collect()
     per_conversation = args.turns * (args.user_tokens + args.answer_tokens)
