@@ -80,8 +80,10 @@ def long_prompt(llm: LLM, args: argparse.Namespace) -> tuple[float, float]:
     start = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
     first = time.perf_counter() - start
-    for _ in range(2):  # other prompts of the same length take every block
-        llm.generate([{"prompt_token_ids": random_tokens(rng, args.long_prompt)}], params)
+    kv_tokens = llm.llm_engine.engine_core.kv_cache_tokens
+    for _ in range(kv_tokens // args.long_prompt + 2):  # other prompts take every block
+        other = {"prompt_token_ids": random_tokens(rng, args.long_prompt)}
+        llm.generate([other], params, use_tqdm=False)
     start = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
     return first, time.perf_counter() - start
