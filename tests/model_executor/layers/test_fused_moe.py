@@ -19,6 +19,16 @@ from kiln.model_executor.layers.fused_moe import FusedMoE, expert_shard
 E, H, INTER = 6, 32, 24
 
 
+@pytest.fixture(autouse=True)
+def reference_dispatch():
+    """These tests check the reference: a platform an earlier test in this process selected
+    (kiln-x86's kernel, checked against this reference in its own tests) is set aside."""
+    before = OP_REGISTRY.device_type
+    OP_REGISTRY.select_device(None)
+    yield
+    OP_REGISTRY.select_device(before)
+
+
 def dense_reference(x, logits, w13, w2, top_k, renormalize, scoring) -> torch.Tensor:
     """Every expert on every token in float64, summed with weights that are zero outside each
     token's top-k scores: the definition, with nothing skipped."""
