@@ -48,6 +48,8 @@ STAT_NAMES = (
     "saved_blocks",
     "loaded_bytes",
     "saved_bytes",
+    "spilled_blocks",
+    "spilled_bytes",
     "load_seconds",
     "save_seconds",
     "failed_loads",

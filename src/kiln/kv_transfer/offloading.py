@@ -8,6 +8,11 @@ prefix cache into the pool loads those blocks, before the forward of the step th
 instead of computing them. So a prefix that fell out of the paged cache (a long system prompt, a
 conversation's earlier turns) costs a copy, not a prefill.
 
+With ``kv_connector_extra_config`` ``{"disk_path": DIR, "disk_bytes": N}`` a block the CPU pool
+evicts goes on to a disk tier of at most ``N`` bytes in ``DIR`` (``kiln.kv_transfer.disk``: one
+checksummed file per block and rank, least recently used out first); a prefix found there loads
+from its files. A file that does not check out is a failed load (``kv_load_failure_policy``).
+
 The scheduler side decides everything, which hash sits in which CPU slot and every step's copies
 (``OffloadingMetadata``); the worker side only executes them, loads before the forward and saves
 after it, so the two sides agree without a reply. Every worker (TP rank) keeps the same slots
@@ -24,10 +29,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.kv_transfer import disk
 from kiln.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from kiln.scheduler.request import Request, RequestStatus
 
@@ -48,6 +55,17 @@ class OffloadingMetadata:
     """``(cpu slot, block id)``: copy the slot into the block."""
     saves: list[tuple[int, int]] = field(default_factory=list)
     """``(block id, cpu slot)``: copy the block into the slot; each slot at most once."""
+    disk_loads: list[tuple[int, int]] = field(default_factory=list)
+    """``(prefix hash, block id)``: read the hash's file into the block, before the forward."""
+    disk_drops: list[int] = field(default_factory=list)
+    """Prefix hashes whose files to delete, after the forward and before the spills."""
+    spills: list[tuple[str, int, int]] = field(default_factory=list)
+    """``("slot", cpu slot, prefix hash)``: write the slot to the hash's file, before the saves
+    (which may reuse the slot); ``("block", block id, prefix hash)``: write the block (computed
+    this step, its save to the pool overtaken by a later one)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves or self.disk_loads or self.disk_drops or self.spills)
 
 
 @dataclass
@@ -73,13 +91,17 @@ class OffloadingConnector(KVConnectorBase):
         kv = config.kv_transfer
         self.saves = kv.kv_role != "kv_consumer"
         self.loads = kv.kv_role != "kv_producer"
+        path = kv.kv_connector_extra_config.get("disk_path")
+        self.disk_path = Path(path) if path else None
         if role is KVConnectorRole.SCHEDULER:
             self._init_scheduler(config)
         else:
             self._caches: list[torch.Tensor] = []
             self._pool: list[torch.Tensor] = []
             self._block_dim = 0
+            self._block_bytes = 0
             self._stats: dict[str, float] = {}
+            self._load_errors: set[int] = set()
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -116,6 +138,48 @@ class OffloadingConnector(KVConnectorBase):
         """Per request asked about: blocks of its local prefix hit (``get_num_new_matched_
         tokens``), for ``update_state_after_alloc``."""
         self._step = OffloadingMetadata(self.num_slots)
+        self._init_disk(config)
+
+    def _init_disk(self, config: KilnConfig) -> None:
+        extra = config.kv_transfer.kv_connector_extra_config
+        self._on_disk: OrderedDict[int, None] = OrderedDict()
+        """Prefix hashes with files, least recently used first (spilled before this step)."""
+        self._spilling: set[int] = set()
+        """Hashes whose spill is in this step's metadata: their files are not there yet."""
+        self.num_disk_blocks = 0
+        if self.disk_path is None:
+            if "disk_bytes" in extra:
+                raise ValueError(
+                    "kv_transfer.kv_connector_extra_config.disk_path is missing; allowed: the "
+                    "disk tier's directory, given with disk_bytes"
+                )
+            return
+        world_size = config.parallel.world_size
+        if world_size != 1:
+            # Only one rank's report reaches the scheduler: another rank's bad file would go
+            # unreported, so its blocks would keep stale KV.
+            raise ValueError(
+                f"kv_transfer.kv_connector_extra_config.disk_path with {world_size} ranks is "
+                "invalid; allowed: a single-rank engine (tensor and pipeline parallel size 1)"
+            )
+        size = extra.get("disk_bytes")
+        per_block = self.bytes_per_block + disk.HEADER.size
+        if not isinstance(size, int) or isinstance(size, bool) or size < per_block:
+            raise ValueError(
+                f"kv_transfer.kv_connector_extra_config.disk_bytes={size!r} is invalid; "
+                f"allowed: the disk tier's bound in bytes, at least one block ({per_block})"
+            )
+        self.num_disk_blocks = size // per_block
+        disk.clear(self.disk_path)
+
+    def _found(self, block_hash: int) -> bool:
+        """Whether the tiers hold ``block_hash``: in the pool, or on disk with its file there."""
+        if block_hash in self._slot_of:
+            return True
+        if block_hash not in self._on_disk or block_hash in self._spilling:
+            return False
+        assert self.disk_path is not None
+        return disk.block_path(self.disk_path, block_hash, 0).exists()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -127,7 +191,7 @@ class OffloadingConnector(KVConnectorBase):
         end = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         num_blocks = 0
         for block_hash in request.block_hashes[start:end]:
-            if block_hash not in self._slot_of:
+            if not self._found(block_hash):
                 break
             num_blocks += 1
         return num_blocks * self.block_size, False
@@ -138,12 +202,17 @@ class OffloadingConnector(KVConnectorBase):
         start = self._local_hits.pop(request.request_id, 0)
         end = start + num_external_tokens // self.block_size
         hashes = request.block_hashes
+        # Loads first: the local hits' saves below may evict from the pool, never these.
+        for i in range(start, end):
+            slot = self._slot_of.get(hashes[i])
+            if slot is not None:
+                self._slot_of.move_to_end(hashes[i])
+                self._step.loads.append((slot, block_ids[i]))
+            else:
+                self._on_disk.move_to_end(hashes[i])
+                self._step.disk_loads.append((hashes[i], block_ids[i]))
         for i in range(start):  # local hits: keep them in the pool, most recently used
             self._save(hashes[i], block_ids[i])
-        for i in range(start, end):
-            slot = self._slot_of[hashes[i]]
-            self._slot_of.move_to_end(hashes[i])
-            self._step.loads.append((slot, block_ids[i]))
         self._tracked[request.request_id] = _Tracked(request, list(block_ids), end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata | None:
@@ -164,7 +233,8 @@ class OffloadingConnector(KVConnectorBase):
                 self._save(request.block_hashes[i], tracked.block_ids[i])
             tracked.num_handled = max(tracked.num_handled, num_full)
         step, self._step = self._step, OffloadingMetadata(self.num_slots)
-        return step if step.loads or step.saves else None
+        self._spilling = set()
+        return step if step else None
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -179,6 +249,9 @@ class OffloadingConnector(KVConnectorBase):
                 if slot is not None:
                     self._free_slots.append(slot)
                     self._step.saves = [s for s in self._step.saves if s[1] != slot]
+                if block_hash in self._on_disk:
+                    del self._on_disk[block_hash]
+                    self._forget_file(block_hash)
         return False, None
 
     def _save(self, block_hash: int, block_id: int) -> None:
@@ -192,27 +265,74 @@ class OffloadingConnector(KVConnectorBase):
         if self._free_slots:
             slot = self._free_slots.pop()
         else:
-            _, slot = self._slot_of.popitem(last=False)
-            # A slot reused within one step keeps only its last save.
-            self._step.saves = [s for s in self._step.saves if s[1] != slot]
+            evicted, slot = self._slot_of.popitem(last=False)
+            pending = [s for s in self._step.saves if s[1] == slot]
+            if pending:
+                # Saved this step, so not in the slot yet: only the last save is kept, an
+                # earlier one goes to disk from its block.
+                self._step.saves = [s for s in self._step.saves if s[1] != slot]
+                if self.num_disk_blocks:
+                    self._spill(evicted, "block", pending[0][0])
+            elif self.num_disk_blocks:
+                self._spill(evicted, "slot", slot)
         self._slot_of[block_hash] = slot
         self._step.saves.append((block_id, slot))
+
+    def _spill(self, block_hash: int, source: str, index: int) -> None:
+        """Keep ``block_hash``, leaving the pool, on disk (evicting the least recently used
+        file if the tier is full); its KV is in ``source`` ("slot" or "block") ``index``."""
+        step = self._step
+        if block_hash in self._on_disk:
+            self._on_disk.move_to_end(block_hash)
+            return
+        if block_hash in step.disk_drops:  # its file is still there: keep it
+            step.disk_drops.remove(block_hash)
+            self._on_disk[block_hash] = None
+            return
+        if len(self._on_disk) >= self.num_disk_blocks:
+            dropped, _ = self._on_disk.popitem(last=False)
+            self._forget_file(dropped)
+        self._on_disk[block_hash] = None
+        self._spilling.add(block_hash)
+        step.spills.append((source, index, block_hash))
+
+    def _forget_file(self, block_hash: int) -> None:
+        """``block_hash``, out of the disk index, loses its file: its spill is not written if
+        it is this step's, else the file is deleted after the forward."""
+        step = self._step
+        if block_hash in self._spilling:
+            self._spilling.discard(block_hash)
+            step.spills = [s for s in step.spills if s[2] != block_hash]
+        else:
+            step.disk_drops.append(block_hash)
 
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
         self._caches = list(kv_caches.values())
         self._block_dim = block_dim
+        # One block of every layer, in bytes: what each copied block adds to the stats.
+        self._block_bytes = sum(
+            cache.element_size() * cache.numel() // cache.shape[block_dim] for cache in self._caches
+        )
 
     def start_load_kv(self) -> None:
         metadata: OffloadingMetadata | None = self._metadata
         if metadata is not None and metadata.loads:
             self._transfer("loaded", metadata.num_slots, metadata.loads)
+        if metadata is not None and metadata.disk_loads:
+            self._read_files(metadata.disk_loads)
 
     def wait_for_save(self) -> None:
         metadata: OffloadingMetadata | None = self._metadata
+        if metadata is not None and (metadata.disk_drops or metadata.spills):
+            self._write_files(metadata)
         if metadata is not None and metadata.saves:
             self._transfer("saved", metadata.num_slots, metadata.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def take_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}
@@ -237,22 +357,65 @@ class OffloadingConnector(KVConnectorBase):
         sources, targets = (pool, self._caches) if kind == "loaded" else (self._caches, pool)
         source_index, target_index = zip(*copies, strict=True)
         dim = self._block_dim
+        # The pool is on the host and every cache on one device: the index pair is built once.
+        src = torch.tensor(source_index, dtype=torch.int64, device=sources[0].device)
+        dst = torch.tensor(target_index, dtype=torch.int64, device=targets[0].device)
         for source, target in zip(sources, targets, strict=True):
-            src = torch.tensor(source_index, dtype=torch.int64, device=source.device)
-            dst = torch.tensor(target_index, dtype=torch.int64, device=target.device)
             target.index_copy_(dim, dst, source.index_select(dim, src).to(target.device))
         self._count(kind, len(copies), start)
 
+    def _rank(self) -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _read_files(self, loads: list[tuple[int, int]]) -> None:
+        """Copy each ``(hash, block id)``'s file into the block; a file that is missing or does
+        not check out is a load error (and is deleted)."""
+        start = time.perf_counter()
+        assert self.disk_path is not None
+        rank, dim, loaded = self._rank(), self._block_dim, 0
+        for block_hash, block_id in loads:
+            path = disk.block_path(self.disk_path, block_hash, rank)
+            payload = disk.read_block(path, block_hash, rank, self._block_bytes)
+            if payload is None:
+                path.unlink(missing_ok=True)
+                self._load_errors.add(block_id)
+                continue
+            index = torch.tensor([block_id], dtype=torch.int64, device=self._caches[0].device)
+            offset = 0
+            for cache in self._caches:
+                shape = list(cache.shape)
+                shape[dim] = 1
+                size = cache.element_size() * cache.numel() // cache.shape[dim]
+                part = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
+                offset += size
+                block = part.view(cache.dtype).reshape(shape).to(cache.device)
+                cache.index_copy_(dim, index, block)
+            loaded += 1
+        self._count("loaded", loaded, start)
+
+    def _write_files(self, metadata: OffloadingMetadata) -> None:
+        """The step's file deletions, then its spills (from the pool or the KV cache)."""
+        start = time.perf_counter()
+        assert self.disk_path is not None
+        rank, dim = self._rank(), self._block_dim
+        for block_hash in metadata.disk_drops:
+            disk.block_path(self.disk_path, block_hash, rank).unlink(missing_ok=True)
+        pool = self._ensure_pool(metadata.num_slots)
+        for source, index, block_hash in metadata.spills:
+            layers = pool if source == "slot" else self._caches
+            parts = [layer.narrow(dim, index, 1).cpu() for layer in layers]
+            path = disk.block_path(self.disk_path, block_hash, rank)
+            disk.write_block(path, block_hash, rank, parts)
+        self._count("spilled", len(metadata.spills), start)
+
     def _count(self, kind: str, num_blocks: int, start: float) -> None:
-        """Add a copy of ``num_blocks`` blocks (``kind`` "loaded" or "saved") to the stats."""
-        block_bytes = sum(
-            cache.element_size() * cache.numel() // cache.shape[self._block_dim]
-            for cache in self._caches
-        )
+        """Add a copy of ``num_blocks`` blocks (``kind`` "loaded", "saved" or "spilled") to the
+        stats."""
         seconds = "load_seconds" if kind == "loaded" else "save_seconds"
         stats = self._stats
         stats[f"{kind}_blocks"] = stats.get(f"{kind}_blocks", 0) + num_blocks
-        stats[f"{kind}_bytes"] = stats.get(f"{kind}_bytes", 0) + num_blocks * block_bytes
+        stats[f"{kind}_bytes"] = stats.get(f"{kind}_bytes", 0) + num_blocks * self._block_bytes
         stats[seconds] = stats.get(seconds, 0) + time.perf_counter() - start
 
 

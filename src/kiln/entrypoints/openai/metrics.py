@@ -108,6 +108,8 @@ CONNECTOR_COUNTERS = {
     "saved_blocks": "blocks saved from the KV cache.",
     "loaded_bytes": "bytes loaded into the KV cache.",
     "saved_bytes": "bytes saved from the KV cache.",
+    "spilled_blocks": "blocks written on from a connector's memory tier to its disk tier.",
+    "spilled_bytes": "bytes written on from a connector's memory tier to its disk tier.",
     "load_seconds": "seconds spent loading.",
     "save_seconds": "seconds spent saving.",
     "failed_loads": "loads that failed (their blocks recomputed or their requests failed).",
