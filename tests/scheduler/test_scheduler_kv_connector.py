@@ -244,3 +244,24 @@ def test_failed_loads_recompute_or_fail_the_request(policy):
     assert [t for o in outputs.outputs for t in o.new_token_ids] + tokens.get("a2", []) == first[
         "a1"
     ]
+
+
+def test_a_requests_loads_are_taken_before_its_local_hits_can_evict_them():
+    # A one-slot tier holding block 1 of a prompt whose block 0 is a local hit only: saving
+    # block 0 (a local hit counts as a use) takes the slot, after block 1 was loaded from it.
+    scheduler = make_scheduler(13, kv_transfer=offloading(1))
+    connector = scheduler.transfers.connector
+    prompt = distinct_prompt(0, 12)
+    first = make_request("r0", prompt)
+    scheduler.kv_cache_manager.get_computed_blocks(first)  # its block hashes
+    assert connector.get_num_new_matched_tokens(first, 8) == (0, False)
+    connector.update_state_after_alloc(first, [5, 6, 7], 0)  # block 1's save overtakes block 0's
+    assert scheduler.schedule().kv_connector_metadata.saves == [(6, 0)]  # the step's metadata
+
+    again = make_request("r1", prompt)
+    scheduler.kv_cache_manager.get_computed_blocks(again)
+    assert connector.get_num_new_matched_tokens(again, 4) == (BLOCK_SIZE, False)
+    connector.update_state_after_alloc(again, [8, 9, 10], BLOCK_SIZE)
+    metadata = scheduler.schedule().kv_connector_metadata
+    assert metadata.loads == [(0, 9)]  # block 1 from the slot, before the forward
+    assert metadata.saves == [(8, 0)]  # then block 0 into it, after the forward
