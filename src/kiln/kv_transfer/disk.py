@@ -26,9 +26,14 @@ HEADER = struct.Struct("<8sQIIQ")
 SUFFIX = ".kvblock"
 
 
+def _unsigned(block_hash: int) -> int:
+    """A prefix hash (a Python ``hash``, possibly negative) as an unsigned 64-bit number."""
+    return block_hash & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def block_path(directory: Path, block_hash: int, rank: int) -> Path:
     """Where ``rank``'s slice of the block with ``block_hash`` lives."""
-    return directory / f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}.r{rank}{SUFFIX}"
+    return directory / f"{_unsigned(block_hash):016x}.r{rank}{SUFFIX}"
 
 
 def clear(directory: Path) -> None:
@@ -43,9 +48,7 @@ def write_block(path: Path, block_hash: int, rank: int, parts: list[torch.Tensor
     """Write ``parts`` (each layer's slice of one block) to ``path`` whole or not at all;
     returns the bytes written."""
     payload = b"".join(part.contiguous().view(torch.uint8).numpy().tobytes() for part in parts)
-    header = HEADER.pack(
-        MAGIC, block_hash & 0xFFFF_FFFF_FFFF_FFFF, rank, zlib.crc32(payload), len(payload)
-    )
+    header = HEADER.pack(MAGIC, _unsigned(block_hash), rank, zlib.crc32(payload), len(payload))
     temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(temporary, "wb") as file:
         file.write(header)
@@ -65,7 +68,7 @@ def read_block(path: Path, block_hash: int, rank: int, num_bytes: int) -> memory
         return None
     magic, stored_hash, stored_rank, crc, length = HEADER.unpack_from(data)
     payload = memoryview(data)[HEADER.size :]
-    expected = (MAGIC, block_hash & 0xFFFF_FFFF_FFFF_FFFF, rank, num_bytes)
+    expected = (MAGIC, _unsigned(block_hash), rank, num_bytes)
     if (magic, stored_hash, stored_rank, length) != expected or zlib.crc32(payload) != crc:
         return None
     return payload

@@ -99,7 +99,9 @@ class OffloadingConnector(KVConnectorBase):
             self._caches: list[torch.Tensor] = []
             self._pool: list[torch.Tensor] = []
             self._block_dim = 0
+            self._layer_block_bytes: list[int] = []
             self._block_bytes = 0
+            self._rank = 0
             self._stats: dict[str, float] = {}
             self._load_errors: set[int] = set()
 
@@ -311,10 +313,14 @@ class OffloadingConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
         self._caches = list(kv_caches.values())
         self._block_dim = block_dim
-        # One block of every layer, in bytes: what each copied block adds to the stats.
-        self._block_bytes = sum(
+        # One block of each layer, in bytes: a disk file's parts; their sum is what each copied
+        # block adds to the stats.
+        self._layer_block_bytes = [
             cache.element_size() * cache.numel() // cache.shape[block_dim] for cache in self._caches
-        )
+        ]
+        self._block_bytes = sum(self._layer_block_bytes)
+        dist = torch.distributed
+        self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def start_load_kv(self) -> None:
         metadata: OffloadingMetadata | None = self._metadata
@@ -364,16 +370,12 @@ class OffloadingConnector(KVConnectorBase):
             target.index_copy_(dim, dst, source.index_select(dim, src).to(target.device))
         self._count(kind, len(copies), start)
 
-    def _rank(self) -> int:
-        dist = torch.distributed
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     def _read_files(self, loads: list[tuple[int, int]]) -> None:
         """Copy each ``(hash, block id)``'s file into the block; a file that is missing or does
         not check out is a load error (and is deleted)."""
         start = time.perf_counter()
         assert self.disk_path is not None
-        rank, dim, loaded = self._rank(), self._block_dim, 0
+        rank, dim, loaded = self._rank, self._block_dim, 0
         for block_hash, block_id in loads:
             path = disk.block_path(self.disk_path, block_hash, rank)
             payload = disk.read_block(path, block_hash, rank, self._block_bytes)
@@ -383,10 +385,9 @@ class OffloadingConnector(KVConnectorBase):
                 continue
             index = torch.tensor([block_id], dtype=torch.int64, device=self._caches[0].device)
             offset = 0
-            for cache in self._caches:
+            for cache, size in zip(self._caches, self._layer_block_bytes, strict=True):
                 shape = list(cache.shape)
                 shape[dim] = 1
-                size = cache.element_size() * cache.numel() // cache.shape[dim]
                 part = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
                 offset += size
                 block = part.view(cache.dtype).reshape(shape).to(cache.device)
@@ -398,7 +399,7 @@ class OffloadingConnector(KVConnectorBase):
         """The step's file deletions, then its spills (from the pool or the KV cache)."""
         start = time.perf_counter()
         assert self.disk_path is not None
-        rank, dim = self._rank(), self._block_dim
+        rank, dim = self._rank, self._block_dim
         for block_hash in metadata.disk_drops:
             disk.block_path(self.disk_path, block_hash, rank).unlink(missing_ok=True)
         pool = self._ensure_pool(metadata.num_slots)
