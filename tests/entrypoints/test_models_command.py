@@ -1,5 +1,6 @@
 """``kiln models`` (the installed command, in a subprocess): Kiln's native architectures with the
-GGUF names that load as them, and an architecture the test plugin registered, credited to it."""
+GGUF names that load as them, an architecture the test plugin registered, credited to it, and the
+causal LMs served through transformers (``--model-impl auto``), not those Kiln has a class for."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def test_kiln_models_lists_native_and_plugin_architectures() -> None:
     assert rows["Qwen3ForCausalLM"]["gguf"] == ["qwen3"]
     plugin = rows["KilnTestForCausalLM"]
     assert (plugin["how"], plugin["source"]) == ("plugin", "kiln_test")
+    neox = rows["GPTNeoXForCausalLM"]
+    assert (neox["how"], neox["source"]) == ("transformers", "transformers")
+    assert neox["class"].endswith("transformers_backend.TransformersForCausalLM")
     table = _models()
     assert table.returncode == 0
     assert table.stdout.splitlines()[0].split() == [

@@ -13,6 +13,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATION_METHODS = ("auto", "gguf", "int8", "int4", "none")
 """Values of ``model.quantization`` (None means ``"auto"``)."""
 
+MODEL_IMPLS = ("auto", "kiln", "transformers")
+"""Values of ``model.model_impl`` (``kiln.model_executor.registry``)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -49,6 +52,11 @@ class ModelConfig:
     load; gguf: keep GGUF blocks (an error where the platform cannot); int8 / int4: quantize a
     float model's linear weights on load (per output channel int8 / int4 in groups of 32), where
     the platform supports it; none: dense weights in ``dtype``."""
+    model_impl: str = field(default="auto", metadata={"choices": MODEL_IMPLS})
+    """Which implementation runs the architecture: kiln (a class in Kiln's model registry, native
+    or a plugin's), transformers (transformers' own modeling code on Kiln's paged attention, for
+    causal LMs Kiln has no class for; no quantization or parallelism), or auto (kiln where the
+    registry has the architecture, else transformers). The start-up banner says which ran."""
     runner: str = field(default="generate", metadata={"choices": RUNNERS})
     """What the model is served for: generate (completions and chat) or pooling (embeddings:
     ``/v1/embeddings``, ``/pooling``, ``/score``; no generation). Pooling requests run through
@@ -79,6 +87,12 @@ class ModelConfig:
             "true or false (--pooler-config normalize)",
         )
         check(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {list(DTYPES)}")
+        check(
+            self.model_impl in MODEL_IMPLS,
+            "model.model_impl",
+            self.model_impl,
+            f"one of {list(MODEL_IMPLS)}",
+        )
         check(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,
             "model.quantization",

@@ -19,10 +19,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """The registry's architectures: ``architecture``, ``class``, ``source`` (``"kiln"`` or a
-    plugin's name), ``how`` (``native`` or ``plugin``) and ``gguf`` (GGUF names loading as it)."""
+    """Every architecture Kiln serves: ``architecture``, ``class``, ``source`` (``"kiln"``, a
+    plugin's name, or ``"transformers"``), ``how`` (``native``, ``plugin``, or ``transformers``:
+    transformers' modeling code on Kiln's attention, for the causal LMs transformers implements
+    and the registry does not) and ``gguf`` (GGUF names loading as it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     from kiln.model_executor.loader.gguf_loader import gguf_architectures
-    from kiln.model_executor.registry import MODEL_REGISTRY
+    from kiln.model_executor.registry import MODEL_REGISTRY, TRANSFORMERS_BACKEND
 
     gguf: dict[str, list[str]] = {}
     for gguf_arch, hf_arch in gguf_architectures().items():
@@ -39,6 +43,10 @@ def list_models() -> list[dict[str, Any]]:
                 "gguf": sorted(gguf.get(architecture, [])),
             }
         )
+    for architecture in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())):
+        if architecture not in MODEL_REGISTRY:
+            row = {"architecture": architecture, "class": TRANSFORMERS_BACKEND}
+            rows.append({**row, "source": "transformers", "how": "transformers", "gguf": []})
     return rows
 
 

@@ -44,6 +44,7 @@ def load_model(
     quant_config: Any = None,
     quantization: str | None = None,
     platform: Any = None,
+    model_impl: str = "auto",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Load ``model_ref`` (a GGUF file, a Hugging Face folder, a hub id).
 
@@ -57,9 +58,11 @@ def load_model(
             resolved with ``platform`` (``resolve_quant_config``).
         platform: the process's ``Platform`` class (the model runner passes it); None outside
             an engine: dense weights for "auto", Kiln's reference methods otherwise.
+        model_impl: ``model.model_impl`` (``kiln.model_executor.registry.model_impl_of``).
 
     Returns:
-        ``(model, hf_config)``.
+        ``(model, hf_config)``; ``hf_config`` is the model's ``engine_config`` where it has one
+        (the transformers backend: the standard size keys filled in).
 
     Raises:
         ValueError: no loader accepts ``model_ref``, its architecture is not registered, a
@@ -77,7 +80,7 @@ def load_model(
             f"model.quantization='gguf' keeps a GGUF file's blocks; {model_ref!r} is read by "
             f"{type(loader).__name__}; allowed for it: auto, none, int8, int4"
         )
-    model_cls = resolve_model_cls(hf_config.get("architectures") or [])
+    model_cls = resolve_model_cls(hf_config.get("architectures") or [], model_impl)
     # Only Kiln's own models are known to take quant_config; a plugin's may not.
     kwargs = {} if quant_config is None else {"quant_config": quant_config}
     with torch.device(device):
@@ -103,6 +106,7 @@ def load_model(
         if method is not None and not getattr(module, "_tied_to", ()):
             method.process_weights_after_loading(module)
     model.eval()
+    hf_config = getattr(model, "engine_config", hf_config)
     logger.info(
         "loaded %s (%s, %s, quantization %s) in %.2f s",
         model_ref,

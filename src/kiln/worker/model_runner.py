@@ -133,6 +133,7 @@ class ModelRunner(ModelRunnerBase):
                 self.config.model.load_format,
                 quantization=self.config.model.quantization,
                 platform=current_platform,
+                model_impl=self.config.model.model_impl,
             )
         wrapper_cls = resolve_obj_by_qualname(self.config.device.graph_wrapper_cls)
         self.model = model

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from openai import OpenAI
-from test_model_families import COMMON, FAMILIES, PROMPTS
+from test_model_families import COMMON, FAMILIES, PROMPTS, check_served_against_transformers
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from kiln import LLM, SamplingParams
@@ -21,11 +20,9 @@ from kiln.model_executor.models.gemma2 import Gemma2ForCausalLM
 from kiln.model_executor.models.gemma3 import Gemma3ForCausalLM
 from kiln.testing.checks import _teacher_forced
 from kiln.testing.models import save_tiny_model
-from kiln.testing.server import KilnServer
 
 NUM_TOKENS = 32
 MIN_TOP1_AGREEMENT = 0.99
-LOGPROB_ATOL = 1e-4
 TIE_MARGIN = 0.25
 """Nats between float32's top two logprobs under which bfloat16 may pick either: transformers'
 own bfloat16 flips a position of Gemma 3's model below whose top two are 0.19 apart."""
@@ -88,31 +85,7 @@ def test_gemma2_through_kiln_serve_and_the_openai_client(tmp_path_factory, gguf_
     hf_model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    args = [folder, "--tokenizer", gguf_path, "--dtype", "float32", "--kv-cache-memory", "0.02"]
-    args += ["--max-model-len", "256", "--served-model-name", "gemma2", "--disable-log-stats"]
-    server = KilnServer(args)
-    try:
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-        for prompt in PROMPTS:
-            choice = client.completions.create(
-                model="gemma2",
-                prompt=prompt,
-                max_tokens=NUM_TOKENS,
-                temperature=0,
-                logprobs=1,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            ).choices[0]
-            tokens = choice.model_extra["token_ids"]
-            assert tokens == hf_ref.greedy(hf_model, prompt, NUM_TOKENS)
-            reference = hf_ref.logprobs(hf_model, prompt + tokens)
-            assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
-            for i, (token, logprob) in enumerate(
-                zip(tokens, choice.logprobs.token_logprobs, strict=True)
-            ):
-                expected = float(reference[len(prompt) - 1 + i, token])
-                assert abs(logprob - expected) <= LOGPROB_ATOL, (i, logprob, expected)
-    finally:
-        server.stop()
+    check_served_against_transformers(folder, hf_model, gguf_path, hf_ref, PROMPTS)
 
 
 def test_gemma2_without_layer_types_slides_on_even_layers() -> None:

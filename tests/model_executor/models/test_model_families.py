@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, Phi3Config
 from kiln import LLM, SamplingParams
 from kiln.model_executor.models.phi3 import Phi3ForCausalLM
 from kiln.testing.models import TINY_GEMMA, save_tiny_model
+from kiln.testing.server import KilnServer
 
 # On save_tiny_model's defaults: two layers, four query heads over two KV heads (GQA).
 COMMON = dict(
@@ -89,15 +90,18 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, gguf_path, hf_ref
     check_against_transformers(folder, hf_model, gguf_path, hf_ref)
 
 
-def check_against_transformers(folder: str, hf_model, tokenizer: str, hf_ref) -> None:
+def check_against_transformers(
+    folder: str, hf_model, tokenizer: str, hf_ref, model_impl: str = "auto"
+) -> None:
     """Kiln's float32 greedy tokens and logprobs on ``PROMPTS`` against ``hf_model``'s (the MoE
-    families' tests call it too)."""
+    families' and the transformers backend's tests call it too)."""
     llm = LLM(
         folder,
         tokenizer=tokenizer,
         dtype="float32",
         kv_cache_memory=0.02,
         max_model_len=256,
+        model_impl=model_impl,
     )
     params = SamplingParams(
         temperature=0, max_tokens=NUM_TOKENS, logprobs=NUM_TOP, ignore_eos=True, detokenize=False
@@ -119,6 +123,41 @@ def check_against_transformers(folder: str, hf_model, tokenizer: str, hf_ref) ->
             hf_ref.check_position(position, row, token, NUM_TOP, where, atol=LOGPROB_ATOL)
     # Not a degenerate output: the prompts get different continuations.
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == len(PROMPTS)
+
+
+def check_served_against_transformers(
+    folder: str, hf_model, tokenizer: str, hf_ref, prompts: list[list[int]], *extra_args: str
+) -> str:
+    """``kiln serve`` of ``folder`` (float32) to the official client: each prompt's greedy tokens
+    are ``hf_model``'s and their logprobs within ``LOGPROB_ATOL``. Returns the server's log."""
+    from openai import OpenAI
+
+    args = [folder, "--tokenizer", tokenizer, "--dtype", "float32", "--kv-cache-memory", "0.02"]
+    args += ["--max-model-len", "256", "--served-model-name", "tiny", "--disable-log-stats"]
+    server = KilnServer([*args, *extra_args])
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt in prompts:
+            choice = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=NUM_TOKENS,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            ).choices[0]
+            tokens = choice.model_extra["token_ids"]
+            assert tokens == hf_ref.greedy(hf_model, prompt, NUM_TOKENS)
+            reference = hf_ref.logprobs(hf_model, prompt + tokens)
+            assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+            for i, (token, logprob) in enumerate(
+                zip(tokens, choice.logprobs.token_logprobs, strict=True)
+            ):
+                expected = float(reference[len(prompt) - 1 + i, token])
+                assert abs(logprob - expected) <= LOGPROB_ATOL, (i, logprob, expected)
+        return server.output()
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(

@@ -267,6 +267,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _model_impl(config: KilnConfig, model_path: str) -> str:
+    """The banner's line on which implementation runs the model (``--model-impl``)."""
+    from kiln.model_executor.loader import get_loader
+    from kiln.model_executor.registry import describe_model_impl
+
+    hf_config = get_loader(model_path, config.model.load_format).load_hf_config(model_path)
+    return describe_model_impl(hf_config.get("architectures") or [], config.model.model_impl)
+
+
 def _banner(llm: AsyncLLM, state: ServerState, url: str, api_keys: Sequence[str] | None) -> str:
     ready = llm.client.ready
     assert ready is not None
@@ -282,6 +291,7 @@ def _banner(llm: AsyncLLM, state: ServerState, url: str, api_keys: Sequence[str]
         [
             f"Kiln {kiln.__version__} is serving {state.model_name}",
             f"  model      {state.model_path}",
+            f"  runs as    {_model_impl(llm.config, state.model_path)}",
             f"  platform   {ready.platform} ({engines})",
             f"  start-up   {ready.startup_s:.1f} s (warm-up, graph capture {ready.warmup_s:.1f} s)",
             f"  KV cache   {ready.kv_cache_tokens:,} tokens ({ready.num_blocks:,} blocks of "
