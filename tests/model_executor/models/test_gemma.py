@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model_families import COMMON, FAMILIES, PROMPTS, check_served_against_transformers
+from test_model_families import (
+    COMMON,
+    FAMILIES,
+    PROMPTS,
+    check_bf16_agrees_with_float32,
+    check_served_against_transformers,
+)
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
-from kiln import LLM, SamplingParams
+from kiln import LLM
 from kiln.model_executor.models.gemma2 import Gemma2ForCausalLM
 from kiln.model_executor.models.gemma3 import Gemma3ForCausalLM
-from kiln.testing.checks import _teacher_forced
 from kiln.testing.models import save_tiny_model
 
 NUM_TOKENS = 32
-MIN_TOP1_AGREEMENT = 0.99
-TIE_MARGIN = 0.25
-"""Nats between float32's top two logprobs under which bfloat16 may pick either: transformers'
-own bfloat16 flips a position of Gemma 3's model below whose top two are 0.19 apart."""
 
 
 def _save(tmp_path_factory: pytest.TempPathFactory, family: str) -> str:
@@ -41,42 +42,8 @@ def _llm(folder: str, tokenizer: str, dtype: str) -> LLM:
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_bfloat16_agrees_with_float32(tmp_path_factory, gguf_path, family) -> None:
-    """Teacher-forced on float32's greedy completions: bfloat16's most likely token is float32's
-    at >= 99% of the positions where float32's top two differ by more than ``TIE_MARGIN``.
-
-    NOTE: these tiny random models have near-ties that bfloat16's rounding flips whoever computes
-    it: transformers' own bfloat16 agrees with its float32 at 0.95-0.98 of all positions here, so
-    positions closer than ``TIE_MARGIN`` are left out (at most 40%, checked below)."""
-    folder = _save(tmp_path_factory, family)
-    params = SamplingParams(
-        temperature=0, max_tokens=NUM_TOKENS, logprobs=2, ignore_eos=True, detokenize=False
-    )
-    llm = _llm(folder, gguf_path, "float32")
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    completions = [o.outputs[0].token_ids for o in outputs]
-    margins = []
-    for output in outputs:
-        for position in output.outputs[0].logprobs or []:
-            top = sorted((lp.logprob for lp in position.values()), reverse=True)
-            margins.append(top[0] - top[1])
-    llm = _llm(folder, gguf_path, "bfloat16")
-    try:
-        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-        assert next(model.parameters()).dtype == torch.bfloat16
-        forced = _teacher_forced(llm, PROMPTS, completions)
-    finally:
-        llm.llm_engine.shutdown()
-    tops = [row[0] for rows in forced for row in rows]
-    tokens = [token for completion in completions for token in completion]
-    assert len(tops) == len(tokens) == len(margins) == len(PROMPTS) * NUM_TOKENS
-    clear = [(t, g) for t, g, m in zip(tops, tokens, margins, strict=True) if m > TIE_MARGIN]
-    assert len(clear) >= 0.6 * len(tokens), f"{len(clear)} of {len(tokens)} positions clear"
-    agreement = sum(t == g for t, g in clear) / len(clear)
-    assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f} of {len(clear)}"
-    print(f"{family}: bf16 top-1 agreement {agreement:.4f} on {len(clear)} of {len(tokens)}")
+    """See ``check_bf16_agrees_with_float32``."""
+    check_bf16_agrees_with_float32(_save(tmp_path_factory, family), gguf_path, family)
 
 
 @pytest.mark.slow

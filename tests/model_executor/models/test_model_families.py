@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, Phi3Config
 
 from kiln import LLM, SamplingParams
 from kiln.model_executor.models.phi3 import Phi3ForCausalLM
+from kiln.testing.checks import _teacher_forced
 from kiln.testing.models import TINY_GEMMA, save_tiny_model
 from kiln.testing.server import KilnServer
 
@@ -61,6 +62,10 @@ FAMILIES = {
 NUM_TOKENS = 32
 NUM_TOP = 5
 LOGPROB_ATOL = 1e-4
+MIN_TOP1_AGREEMENT = 0.99
+TIE_MARGIN = 0.25
+"""Nats between float32's top two logprobs under which bfloat16 may pick either: transformers'
+own bfloat16 flips a position of Gemma 3's model below whose top two are 0.19 apart."""
 PROMPTS = [
     [1, 5, 9, 200, 17],
     [3, 250, 7, 44, 12, 99, 8, 140, 61],
@@ -123,6 +128,58 @@ def check_against_transformers(
             hf_ref.check_position(position, row, token, NUM_TOP, where, atol=LOGPROB_ATOL)
     # Not a degenerate output: the prompts get different continuations.
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == len(PROMPTS)
+
+
+def check_bf16_agrees_with_float32(
+    folder: str, tokenizer: str, label: str, model_impl: str = "auto"
+) -> None:
+    """Teacher-forced on float32's greedy completions of ``PROMPTS``: bfloat16's most likely
+    token is float32's at >= 99% of the positions where float32's top two differ by more than
+    ``TIE_MARGIN``.
+
+    NOTE: these tiny random models have near-ties that bfloat16's rounding flips whoever computes
+    it: transformers' own bfloat16 agrees with its float32 at 0.95-0.98 of all positions here, so
+    positions closer than ``TIE_MARGIN`` are left out (at most 40%, checked below)."""
+
+    def llm(dtype: str) -> LLM:
+        return LLM(
+            folder,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            kv_cache_memory=0.02,
+            max_model_len=256,
+            model_impl=model_impl,
+        )
+
+    params = SamplingParams(
+        temperature=0, max_tokens=NUM_TOKENS, logprobs=2, ignore_eos=True, detokenize=False
+    )
+    f32 = llm("float32")
+    try:
+        outputs = f32.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        f32.llm_engine.shutdown()
+    completions = [o.outputs[0].token_ids for o in outputs]
+    margins = []
+    for output in outputs:
+        for position in output.outputs[0].logprobs or []:
+            top = sorted((lp.logprob for lp in position.values()), reverse=True)
+            margins.append(top[0] - top[1])
+    bf16 = llm("bfloat16")
+    try:
+        model = bf16.llm_engine.engine_core.executor.worker.model_runner.model
+        assert next(model.parameters()).dtype == torch.bfloat16
+        forced = _teacher_forced(bf16, PROMPTS, completions)
+    finally:
+        bf16.llm_engine.shutdown()
+    tops = [row[0] for rows in forced for row in rows]
+    tokens = [token for completion in completions for token in completion]
+    assert len(tops) == len(tokens) == len(margins) == len(PROMPTS) * NUM_TOKENS
+    clear = [(t, g) for t, g, m in zip(tops, tokens, margins, strict=True) if m > TIE_MARGIN]
+    assert len(clear) >= 0.6 * len(tokens), f"{len(clear)} of {len(tokens)} positions clear"
+    agreement = sum(t == g for t, g in clear) / len(clear)
+    assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f} of {len(clear)}"
+    print(f"{label}: bf16 top-1 agreement {agreement:.4f} on {len(clear)} of {len(tokens)}")
 
 
 def check_served_against_transformers(
