@@ -61,6 +61,16 @@ def test_a_changed_shared_header_names_a_new_build(tmp_path) -> None:
     assert kernels.extension_name("k", source) != before
 
 
+def test_each_torch_installation_has_its_own_build(tmp_path, monkeypatch) -> None:
+    """A build's command names torch's headers: two virtual environments sharing the cache
+    under one name rebuilt each other's build at every load."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f() { return 1; }\n")
+    here = kernels.extension_name("k", source)
+    monkeypatch.setattr(kernels, "torch_dir", lambda: "/another/venv/site-packages/torch")
+    assert kernels.extension_name("k", source) != here
+
+
 def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:
     """Each build hashes its source and the headers it includes, transitively: a change to a
     header that one kernel alone includes rebuilds that kernel, not every other (minutes each)."""

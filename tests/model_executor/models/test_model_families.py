@@ -131,30 +131,36 @@ def check_against_transformers(
 
 
 def check_bf16_agrees_with_float32(
-    folder: str, tokenizer: str, label: str, model_impl: str = "auto"
+    folder: str,
+    tokenizer: str,
+    label: str,
+    model_impl: str = "auto",
+    options: dict | None = None,
+    min_agreement: float = MIN_TOP1_AGREEMENT,
 ) -> None:
-    """Teacher-forced on float32's greedy completions of ``PROMPTS``: bfloat16's most likely
-    token is float32's at >= 99% of the positions where float32's top two differ by more than
+    """Teacher-forced on float32's greedy completions of ``PROMPTS``: bfloat16's (with
+    ``options``, another run's: ``{"quantization": "int8"}``) most likely token is float32's at
+    >= ``min_agreement`` of the positions where float32's top two differ by more than
     ``TIE_MARGIN``.
 
     NOTE: these tiny random models have near-ties that bfloat16's rounding flips whoever computes
     it: transformers' own bfloat16 agrees with its float32 at 0.95-0.98 of all positions here, so
     positions closer than ``TIE_MARGIN`` are left out (at most 40%, checked below)."""
 
-    def llm(dtype: str) -> LLM:
+    def llm(**extra) -> LLM:
         return LLM(
             folder,
             tokenizer=tokenizer,
-            dtype=dtype,
             kv_cache_memory=0.02,
             max_model_len=256,
             model_impl=model_impl,
+            **extra,
         )
 
     params = SamplingParams(
         temperature=0, max_tokens=NUM_TOKENS, logprobs=2, ignore_eos=True, detokenize=False
     )
-    f32 = llm("float32")
+    f32 = llm(dtype="float32")
     try:
         outputs = f32.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
@@ -165,10 +171,10 @@ def check_bf16_agrees_with_float32(
         for position in output.outputs[0].logprobs or []:
             top = sorted((lp.logprob for lp in position.values()), reverse=True)
             margins.append(top[0] - top[1])
-    bf16 = llm("bfloat16")
+    bf16 = llm(**{"dtype": "bfloat16", **(options or {})})
     try:
         model = bf16.llm_engine.engine_core.executor.worker.model_runner.model
-        assert next(model.parameters()).dtype == torch.bfloat16
+        assert options or next(model.parameters()).dtype == torch.bfloat16
         forced = _teacher_forced(bf16, PROMPTS, completions)
     finally:
         bf16.llm_engine.shutdown()
@@ -178,8 +184,8 @@ def check_bf16_agrees_with_float32(
     clear = [(t, g) for t, g, m in zip(tops, tokens, margins, strict=True) if m > TIE_MARGIN]
     assert len(clear) >= 0.6 * len(tokens), f"{len(clear)} of {len(tokens)} positions clear"
     agreement = sum(t == g for t, g in clear) / len(clear)
-    assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f} of {len(clear)}"
-    print(f"{label}: bf16 top-1 agreement {agreement:.4f} on {len(clear)} of {len(tokens)}")
+    assert agreement >= min_agreement, f"top-1 agreement {agreement:.4f} of {len(clear)}"
+    print(f"{label}: top-1 agreement {agreement:.4f} on {len(clear)} of {len(tokens)}")
 
 
 def check_served_against_transformers(

@@ -101,12 +101,23 @@ def included_files(source: Path) -> list[Path]:
 def extension_name(
     stem: str = "kiln_x86_ops", source: Path = SOURCE, cflags: list[str] = CFLAGS
 ) -> str:
-    """``<stem>_<isa>_<hash of source, the headers it includes and flags>``: one build per CPU
-    kind and source (a header's change rebuilds the kernels that include it, and only those)."""
+    """``<stem>_<isa>_<hash of source, the headers it includes, flags and torch>``: one build per
+    CPU kind, source and torch installation (a header's change rebuilds the kernels that include
+    it, and only those). torch's directory is hashed because the build command names its
+    headers: two virtual environments sharing the cache otherwise rebuilt each other's build at
+    every load (minutes each)."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
     data = b"".join(path.read_bytes() for path in included_files(source))
-    digest = hashlib.sha256(data + " ".join(cflags).encode()).hexdigest()[:10]
+    data += " ".join([*cflags, torch_dir()]).encode()
+    digest = hashlib.sha256(data).hexdigest()[:10]
     return f"{stem}_{isa}_{digest}"
+
+
+def torch_dir() -> str:
+    """The torch installation the extensions build against (its headers and libraries)."""
+    import torch
+
+    return str(Path(torch.__file__).resolve().parent)
 
 
 def _copy_sources(source: Path, build_dir: Path) -> Path:

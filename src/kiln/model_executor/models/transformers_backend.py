@@ -7,7 +7,9 @@ no class for; ``--model-impl transformers`` or ``auto``):
   class for ``hf_config``'s architecture with ``attn_implementation="kiln"``, whose attention
   function (``kiln_attention``, registered in transformers' ``AttentionInterface``) hands each
   layer's query, key and value to a Kiln ``Attention`` (the platform's backend, the paged KV
-  cache). Embeddings, rotary embeddings, norms and MLPs are transformers' code, given Kiln's
+  cache). Every ``nn.Linear`` but the output embeddings becomes a Kiln ``ReplicatedLinear`` of
+  the same name, so the platform's linear method runs it (``--quantization int8|int4`` applies);
+  embeddings, rotary embeddings, norms and activations are transformers' code, given Kiln's
   positions. Kiln learns each layer's head counts, head size, scale, sliding window and soft cap
   by running the model once on one token at construction, from what transformers passes its
   attention function; a layer whose attention Kiln cannot run (attention sinks, a non-causal
@@ -28,8 +30,8 @@ no class for; ``--model-impl transformers`` or ``auto``):
   ``hidden_size``, ``vocab_size``, ``max_position_embeddings``) filled from the model itself,
   whatever its config calls them.
 
-Not supported (each a ``ValueError`` at construction): quantized weights, LoRA, tensor and
-pipeline parallelism, and architectures whose attention is not causal self-attention.
+Not supported (each a ``ValueError`` at construction): LoRA, tensor and pipeline parallelism,
+and architectures whose attention is not causal self-attention.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from torch import nn
 
 from kiln.model_executor.layers.attention import Attention, get_attention_layers
+from kiln.model_executor.layers.linear import ReplicatedLinear
 from kiln.model_executor.models.llama import config_dict
 
 ATTN_IMPLEMENTATION = "kiln"
@@ -160,6 +163,14 @@ class _Passthrough(nn.Module):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=inputs_embeds)
 
 
+class _Linear(ReplicatedLinear):
+    """A ``ReplicatedLinear`` taking transformers' ``[batch, tokens, features]`` inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class TransformersForCausalLM(nn.Module):
     """A causal LM from transformers' modeling code on Kiln's attention; see the module doc."""
 
@@ -180,11 +191,6 @@ class TransformersForCausalLM(nn.Module):
 
         from kiln.config import get_current_config
 
-        if quant_config is not None:
-            raise ValueError(
-                f"model.quantization={quant_config.name!r} is not supported with "
-                "model_impl='transformers' (its linear layers are transformers'); allowed: none"
-            )
         config = get_current_config()
         if config is not None and config.lora.enable_lora:
             raise ValueError(
@@ -222,6 +228,9 @@ class TransformersForCausalLM(nn.Module):
         self.__dict__["_head"] = head
         self.__dict__["_causal_lm"] = causal_lm  # for its checkpoint conversion rules
         self._add_attention_layers()
+        # After the recording run: a platform's linear method may pack its weights at a first
+        # call, and the recording ran on transformers' initial weights.
+        self._adopt_linears(causal_lm.get_output_embeddings(), dtype, quant_config)
         text = hf.get_text_config()
         layers = list(self.attention_layers().values())
         self.engine_config = {
@@ -234,6 +243,26 @@ class TransformersForCausalLM(nn.Module):
             "vocab_size": self.vocab_size,
             "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 2048),
         }
+
+    def _adopt_linears(self, head: Any, dtype: torch.dtype, quant_config: Any) -> None:
+        """Every ``nn.Linear`` but the output embeddings becomes a Kiln ``ReplicatedLinear`` of
+        the same name and shape: the platform's linear method runs it (its fused or traced
+        kernels, ``--quantization int8|int4``). The head stays transformers' (its weight may be
+        tied to the input embeddings)."""
+        for parent_name, parent in list(self.named_modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear or child is head:
+                    continue
+                prefix = f"{parent_name}.{name}" if parent_name else name
+                linear = _Linear(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    params_dtype=dtype,
+                    quant_config=quant_config,
+                    prefix=prefix,
+                )
+                setattr(parent, name, linear)
 
     def _add_attention_layers(self) -> None:
         """Runs the model once on one token, recording each attention call, and gives every
@@ -333,6 +362,11 @@ class TransformersForCausalLM(nn.Module):
                         f"checkpoint tensor {checkpoint_name!r} matches no parameter of "
                         f"{type(self._causal_lm).__name__} (looked for {name!r})"
                     )
+                loader = getattr(target, "weight_loader", None)
+                if loader is not None:  # a Kiln linear layer's parameter (its method's layout)
+                    loader(target, tensor)
+                    loaded.add(canonical[id(target)])
+                    continue
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"checkpoint tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}; "
