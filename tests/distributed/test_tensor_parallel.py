@@ -2,7 +2,8 @@
 on the default model and on small random models whose shapes exercise the sharding (4 KV heads
 split over ranks, 1 KV head replicated, a vocabulary of 257 rows padded to 258); on a plugin's
 platform, the model's collectives (TP=2) and stage transfers (PP=2) run through the communicator
-the plugin names; quantized weights are refused with more than one rank, a draft model's too."""
+the plugin names; quantized weights are refused with more than one rank, a draft model's too;
+architectures served by transformers' code are sharded by their ``base_model_tp_plan``."""
 
 from __future__ import annotations
 
@@ -116,6 +117,39 @@ def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
     tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)
     assert tp2 == tp1
     assert len({tuple(t) for t in tp1}) == len(TOKEN_PROMPTS)  # not a degenerate output
+
+
+TRANSFORMERS_ARCHITECTURES = {
+    # fused query_key_value split by whole heads (colwise), an embedding the plan shards kept whole
+    "gpt_neox": dict(num_key_value_heads=None, rotary_pct=0.5),
+    "starcoder2": dict(num_key_value_heads=2, sliding_window=6),  # one KV head per rank
+    "cohere": dict(num_key_value_heads=2, logit_scale=2.0),
+}
+
+
+@pytest.mark.parametrize("model_type", list(TRANSFORMERS_ARCHITECTURES))
+def test_tp2_equals_tp1_through_the_transformers_backend(tmp_path, gguf_path, model_type):
+    """Architectures Kiln has no class for (``model_impl`` auto: transformers' code), their linear
+    layers sharded by transformers' ``base_model_tp_plan``."""
+    folder = save_tiny_model(
+        tmp_path / model_type,
+        model_type,
+        random_norms=True,
+        vocab_size=257,
+        initializer_range=0.2,
+        **TRANSFORMERS_ARCHITECTURES[model_type],
+    )
+    tp1 = _greedy(folder, 1, TOKEN_PROMPTS, tokenizer=gguf_path)
+    tp2 = _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)
+    assert tp2 == tp1
+    assert len({tuple(t) for t in tp1}) == len(TOKEN_PROMPTS)
+
+
+def test_tp_without_a_plan_is_refused_through_the_transformers_backend(tmp_path, gguf_path):
+    """GPT-2 (``Conv1D`` layers) has no ``base_model_tp_plan`` to shard by."""
+    folder = save_tiny_model(tmp_path / "gpt2", "gpt2", num_key_value_heads=None, vocab_size=257)
+    with pytest.raises(Exception, match="has no base_model_tp_plan"):
+        _greedy(folder, 2, TOKEN_PROMPTS, tokenizer=gguf_path)
 
 
 @pytest.mark.slow

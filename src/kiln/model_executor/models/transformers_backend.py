@@ -30,14 +30,19 @@ no class for; ``--model-impl transformers`` or ``auto``):
   ``hidden_size``, ``vocab_size``, ``max_position_embeddings``) filled from the model itself,
   whatever its config calls them.
 
-Not supported (each a ``ValueError`` at construction): LoRA, tensor and pipeline parallelism,
-and architectures whose attention is not causal self-attention.
+Tensor parallelism shards the linear layers by transformers' ``base_model_tp_plan``
+(``_adopt_linears``); each rank's attention takes its share of the heads.
+
+Not supported (each a ``ValueError`` at construction): LoRA, pipeline parallelism, tensor
+parallelism without a plan or with KV heads it does not divide, and architectures whose
+attention is not causal self-attention.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +51,11 @@ import torch
 from torch import nn
 
 from kiln.model_executor.layers.attention import Attention, get_attention_layers
-from kiln.model_executor.layers.linear import ReplicatedLinear
+from kiln.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from kiln.model_executor.models.llama import config_dict
 
 ATTN_IMPLEMENTATION = "kiln"
@@ -163,12 +172,29 @@ class _Passthrough(nn.Module):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=inputs_embeds)
 
 
-class _Linear(ReplicatedLinear):
-    """A ``ReplicatedLinear`` taking transformers' ``[batch, tokens, features]`` inputs."""
+def _plan_pattern(key: str) -> str:
+    """A ``base_model_tp_plan`` key (``layers.*.self_attn.q_proj``) as a regular expression."""
+    return r"[^.]+".join(re.escape(part) for part in key.split("*"))
+
+
+class _TokensFirst(nn.Module):
+    """Takes transformers' ``[batch, tokens, features]`` inputs into a Kiln linear layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _Linear(_TokensFirst, ReplicatedLinear):
+    pass
+
+
+class _ColumnLinear(_TokensFirst, ColumnParallelLinear):
+    pass
+
+
+class _RowLinear(_TokensFirst, RowParallelLinear):
+    pass
 
 
 class TransformersForCausalLM(nn.Module):
@@ -197,14 +223,12 @@ class TransformersForCausalLM(nn.Module):
                 "lora.enable_lora=True is not supported with model_impl='transformers' (Kiln's "
                 "adapter slots wrap Kiln's linear layers); allowed: False"
             )
-        if config is not None:
-            parallel = config.parallel
-            for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-                if getattr(parallel, name) != 1:
-                    raise ValueError(
-                        f"parallel.{name}={getattr(parallel, name)} is not supported with "
-                        "model_impl='transformers'; allowed: 1"
-                    )
+        if config is not None and config.parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"parallel.pipeline_parallel_size={config.parallel.pipeline_parallel_size} is "
+                "not supported with model_impl='transformers'; allowed: 1"
+            )
+        self.tp_size = 1 if config is None else config.parallel.tensor_parallel_size
         register_attention()
         cfg = dict(config_dict(hf_config))
         model_type = cfg.pop("model_type")
@@ -230,7 +254,13 @@ class TransformersForCausalLM(nn.Module):
         self._add_attention_layers()
         # After the recording run: a platform's linear method may pack its weights at a first
         # call, and the recording ran on transformers' initial weights.
-        self._adopt_linears(causal_lm.get_output_embeddings(), dtype, quant_config)
+        tp_plan = getattr(hf.get_text_config(), "base_model_tp_plan", None) or {}
+        if self.tp_size > 1 and not tp_plan:
+            raise ValueError(
+                f"{type(causal_lm).__name__} has no base_model_tp_plan; tensor parallelism with "
+                "model_impl='transformers' needs one; allowed: tensor_parallel_size=1"
+            )
+        self._adopt_linears(causal_lm.get_output_embeddings(), tp_plan, dtype, quant_config)
         text = hf.get_text_config()
         layers = list(self.attention_layers().values())
         self.engine_config = {
@@ -244,24 +274,58 @@ class TransformersForCausalLM(nn.Module):
             "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 2048),
         }
 
-    def _adopt_linears(self, head: Any, dtype: torch.dtype, quant_config: Any) -> None:
-        """Every ``nn.Linear`` but the output embeddings becomes a Kiln ``ReplicatedLinear`` of
-        the same name and shape: the platform's linear method runs it (its fused or traced
-        kernels, ``--quantization int8|int4``). The head stays transformers' (its weight may be
-        tied to the input embeddings)."""
+    def _adopt_linears(
+        self, head: Any, tp_plan: dict[str, str], dtype: torch.dtype, quant_config: Any
+    ) -> None:
+        """Every ``nn.Linear`` but the output embeddings becomes a Kiln linear layer of the same
+        name and shape: the platform's linear method runs it (its fused or traced kernels,
+        ``--quantization int8|int4``). With tensor parallelism, the base model's
+        ``base_model_tp_plan`` (transformers' own, as vLLM's transformers backend reads it)
+        shards it: ``colwise`` -> ``ColumnParallelLinear``, ``rowwise`` -> ``RowParallelLinear``
+        (an all-reduce of the partial sums), the others are replicated. The head and the
+        embeddings stay transformers' and whole on every rank, whatever the plan says (the
+        head's weight may be tied to the input embeddings).
+
+        Raises:
+            ValueError: with tensor parallelism, a plan entry of another style, or one that names
+                a module that is neither ``nn.Linear`` nor ``nn.Embedding`` (GPT-2's ``Conv1D``).
+        """
+        plan = [(re.compile(_plan_pattern(k)), style) for k, style in tp_plan.items()]
+        base = f"{self._base_name}."
         for parent_name, parent in list(self.named_modules()):
             for name, child in list(parent.named_children()):
+                prefix = f"{parent_name}.{name}" if parent_name else name
+                local = prefix.removeprefix(base)
+                style = next((st for pattern, st in plan if pattern.fullmatch(local)), None)
+                # An embedding the plan shards is kept whole (the same rows, gathered).
+                sharded = style is not None and not isinstance(child, nn.Embedding)
+                if self.tp_size > 1 and sharded and type(child) is not nn.Linear:
+                    raise ValueError(
+                        f"{prefix} is a {type(child).__name__}; tensor parallelism with "
+                        "model_impl='transformers' shards nn.Linear layers only; allowed: "
+                        "tensor_parallel_size=1"
+                    )
                 if type(child) is not nn.Linear or child is head:
                     continue
-                prefix = f"{parent_name}.{name}" if parent_name else name
-                linear = _Linear(
-                    child.in_features,
-                    child.out_features,
-                    bias=child.bias is not None,
-                    params_dtype=dtype,
-                    quant_config=quant_config,
-                    prefix=prefix,
-                )
+                size_in, size_out, bias = child.in_features, child.out_features, child.bias
+                linear: nn.Module
+                if self.tp_size == 1 or style is None:
+                    linear = _Linear(
+                        size_in, size_out, bias is not None, dtype, quant_config, prefix
+                    )
+                elif style == "colwise":
+                    linear = _ColumnLinear(
+                        size_in, [size_out], bias is not None, dtype, quant_config, prefix
+                    )
+                elif style == "rowwise":
+                    linear = _RowLinear(
+                        size_in, size_out, bias is not None, dtype, quant_config, prefix
+                    )
+                else:
+                    raise ValueError(
+                        f"{prefix}: base_model_tp_plan style {style!r} is not supported with "
+                        "model_impl='transformers'; allowed: 'colwise', 'rowwise'"
+                    )
                 setattr(parent, name, linear)
 
     def _add_attention_layers(self) -> None:
@@ -286,6 +350,11 @@ class TransformersForCausalLM(nn.Module):
                 f"layers of different (KV heads, head size) {sorted(shapes)} are not supported "
                 "with model_impl='transformers'"
             )
+        if any(call.num_kv_heads % self.tp_size for _, call in calls):
+            raise ValueError(
+                f"tensor_parallel_size={self.tp_size} must divide every layer's KV heads "
+                f"({sorted(shapes)}) with model_impl='transformers'"
+            )
         for module, call in calls:
             if hasattr(module, KILN_ATTENTION):
                 raise ValueError(
@@ -296,10 +365,10 @@ class TransformersForCausalLM(nn.Module):
             module.add_module(
                 KILN_ATTENTION,
                 Attention(
-                    call.num_heads,
+                    call.num_heads // self.tp_size,  # the recording ran on every head
                     call.head_size,
                     call.scale,
-                    call.num_kv_heads,
+                    call.num_kv_heads // self.tp_size,
                     prefix=name,
                     sliding_window=call.sliding_window,
                     logits_soft_cap=call.soft_cap,
