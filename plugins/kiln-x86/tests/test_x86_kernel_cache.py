@@ -61,6 +61,17 @@ def test_a_changed_shared_header_names_a_new_build(tmp_path) -> None:
     assert kernels.extension_name("k", source) != before
 
 
+def test_each_torch_installation_names_its_own_build(tmp_path) -> None:
+    """A build's command names torch's folder; two virtual environments (a worktree's and the main
+    checkout's) sharing one build name rebuilt it, in turn, each time the other loaded it."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f() { return 1; }\n")
+    here = kernels.extension_name("k", source)
+    assert kernels.extension_name("k", source, torch_dir=kernels.torch_install()) == here
+    other = kernels.torch_install().replace("/site-packages/", "/other-venv/site-packages/")
+    assert kernels.extension_name("k", source, torch_dir=other) != here
+
+
 def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:
     """Each build hashes its source and the headers it includes, transitively: a change to a
     header that one kernel alone includes rebuilds that kernel, not every other (minutes each)."""

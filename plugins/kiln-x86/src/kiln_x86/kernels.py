@@ -98,14 +98,30 @@ def included_files(source: Path) -> list[Path]:
     return [source, *sorted(found - {source})]
 
 
+def torch_install() -> str:
+    """This interpreter's torch: its version and the folder it is installed in. A build's command
+    names torch's headers and libraries by that folder, and torch rebuilds a build whose command
+    changed."""
+    import torch
+
+    return f"{torch.__version__} {Path(torch.__file__).parent}"
+
+
 def extension_name(
-    stem: str = "kiln_x86_ops", source: Path = SOURCE, cflags: list[str] = CFLAGS
+    stem: str = "kiln_x86_ops",
+    source: Path = SOURCE,
+    cflags: list[str] = CFLAGS,
+    torch_dir: str | None = None,
 ) -> str:
-    """``<stem>_<isa>_<hash of source, the headers it includes and flags>``: one build per CPU
-    kind and source (a header's change rebuilds the kernels that include it, and only those)."""
+    """``<stem>_<isa>_<hash of source, the headers it includes, flags and torch>``: one build per
+    CPU kind, source and torch installation (``torch_dir``, default ``torch_install()``). A
+    header's change rebuilds the kernels that include it, and only those. Two virtual
+    environments (a git worktree's beside the main checkout's) sharing one build each rebuilt it
+    whenever the other had loaded it last (minutes per kernel, in the middle of a test run)."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
     data = b"".join(path.read_bytes() for path in included_files(source))
-    digest = hashlib.sha256(data + " ".join(cflags).encode()).hexdigest()[:10]
+    toolchain = torch_dir if torch_dir is not None else torch_install()
+    digest = hashlib.sha256(data + " ".join([*cflags, toolchain]).encode()).hexdigest()[:10]
     return f"{stem}_{isa}_{digest}"
 
 
