@@ -7,8 +7,9 @@ with ``torch.utils.cpp_extension.load`` into a cache directory that later proces
 compiled for this CPU (``-march=native``), so its name carries the instruction sets found, and a
 machine with other ones builds its own. It returns None, once logged, when the build fails (no
 compiler): callers then keep the reference implementations. ``python -m kiln_x86.kernels``
-builds it ahead of time (Kiln's set-up script does). ``load_extension(stem, source)`` builds
-and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kiln_x86.attention``;
+builds every kernel family ahead of time, one compiler process per core (Kiln's set-up script
+does). ``load_extension(stem, source)`` builds and loads another source of ``csrc/`` the same
+way (``x86_attention.cpp``: ``kiln_x86.attention``;
 ``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``; ``x86_lora.cpp``:
 ``kiln_x86.lora``; ``x86_moe.cpp``: ``kiln_x86.moe``). An extension with an ``attach_pool``
 function runs its parallel loops on the work pool of ``x86_gemv.cpp`` (``csrc/work_pool.h``),
@@ -19,13 +20,16 @@ whichever kernels they serve.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
+import multiprocessing
 import os
 import re
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -204,20 +208,45 @@ def _attach_pool(module: ModuleType) -> None:
         module.attach_pool(pool.pool_handle())
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def _loaders() -> list[Callable[[], object]]:
+    """Every kernel family's loader, the matmul extension first (the others attach to its work
+    pool, so they build after it)."""
     from kiln_x86.gemv import load_gemv_kernels  # csrc/x86_gemv.cpp (tiled int8 matmul)
     from kiln_x86.lora import load_lora_kernels  # csrc/x86_lora.cpp (LoRA at decode sizes)
     from kiln_x86.moe import load_moe_kernels  # csrc/x86_moe.cpp (fused_moe at decode sizes)
     from kiln_x86.quant import load_quant_kernels  # csrc/x86_quant.cpp (GGUF matmul)
 
-    built = (
-        load_kernels()
-        and load_extension("kiln_x86_attention", ATTENTION_SOURCE, ATTENTION_CFLAGS)
-        and load_quant_kernels()
-        and load_gemv_kernels()
-        and load_lora_kernels()
-        and load_moe_kernels()
-    )
+    return [
+        load_gemv_kernels,
+        load_kernels,
+        functools.partial(load_extension, "kiln_x86_attention", ATTENTION_SOURCE, ATTENTION_CFLAGS),
+        load_quant_kernels,
+        load_lora_kernels,
+        load_moe_kernels,
+    ]
+
+
+def _build_one(index: int) -> bool:
+    """Build (or find in the cache) ``_loaders()[index]``'s kernels; True where they load."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return _loaders()[index]() is not None
+
+
+def build_all() -> bool:
+    """Build every kernel family into the cache, one process per core at a time (each build is
+    one compiler process: built one after another, a 2-core machine compiled on one core), then
+    load them all here. True where every one loads."""
+    jobs = min(len(_loaders()), len(os.sched_getaffinity(0)))
+    if jobs > 1:
+        # spawn: a fresh interpreter per build, as a first `kiln serve` would be.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            list(pool.map(_build_one, range(len(_loaders()))))
+    return all(load() is not None for load in _loaders())
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build_all()
     print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
     raise SystemExit(0 if built else 1)
