@@ -61,14 +61,15 @@ def test_a_changed_shared_header_names_a_new_build(tmp_path) -> None:
     assert kernels.extension_name("k", source) != before
 
 
-def test_each_torch_installation_has_its_own_build(tmp_path, monkeypatch) -> None:
-    """A build's command names torch's headers: two virtual environments sharing the cache
-    under one name rebuilt each other's build at every load."""
+def test_each_torch_installation_names_its_own_build(tmp_path) -> None:
+    """A build's command names torch's folder; two virtual environments (a worktree's and the main
+    checkout's) sharing one build name rebuilt it, in turn, each time the other loaded it."""
     source = tmp_path / "kernel.cpp"
     source.write_text("int f() { return 1; }\n")
     here = kernels.extension_name("k", source)
-    monkeypatch.setattr(kernels, "torch_dir", lambda: "/another/venv/site-packages/torch")
-    assert kernels.extension_name("k", source) != here
+    assert kernels.extension_name("k", source, torch_dir=kernels.torch_install()) == here
+    other = kernels.torch_install().replace("/site-packages/", "/other-venv/site-packages/")
+    assert kernels.extension_name("k", source, torch_dir=other) != here
 
 
 def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:

@@ -7,8 +7,9 @@ with ``torch.utils.cpp_extension.load`` into a cache directory that later proces
 compiled for this CPU (``-march=native``), so its name carries the instruction sets found, and a
 machine with other ones builds its own. It returns None, once logged, when the build fails (no
 compiler): callers then keep the reference implementations. ``python -m kiln_x86.kernels``
-builds it ahead of time (Kiln's set-up script does). ``load_extension(stem, source)`` builds
-and loads another source of ``csrc/`` the same way (``x86_attention.cpp``: ``kiln_x86.attention``;
+builds every kernel family ahead of time, one compiler process per core (Kiln's set-up script
+does). ``load_extension(stem, source)`` builds and loads another source of ``csrc/`` the same
+way (``x86_attention.cpp``: ``kiln_x86.attention``;
 ``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``; ``x86_lora.cpp``:
 ``kiln_x86.lora``; ``x86_moe.cpp``: ``kiln_x86.moe``). An extension with an ``attach_pool``
 function runs its parallel loops on the work pool of ``x86_gemv.cpp`` (``csrc/work_pool.h``),
@@ -19,13 +20,16 @@ whichever kernels they serve.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
+import multiprocessing
 import os
 import re
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -98,26 +102,31 @@ def included_files(source: Path) -> list[Path]:
     return [source, *sorted(found - {source})]
 
 
-def extension_name(
-    stem: str = "kiln_x86_ops", source: Path = SOURCE, cflags: list[str] = CFLAGS
-) -> str:
-    """``<stem>_<isa>_<hash of source, the headers it includes, flags and torch>``: one build per
-    CPU kind, source and torch installation (a header's change rebuilds the kernels that include
-    it, and only those). torch's directory is hashed because the build command names its
-    headers: two virtual environments sharing the cache otherwise rebuilt each other's build at
-    every load (minutes each)."""
-    isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
-    data = b"".join(path.read_bytes() for path in included_files(source))
-    data += " ".join([*cflags, torch_dir()]).encode()
-    digest = hashlib.sha256(data).hexdigest()[:10]
-    return f"{stem}_{isa}_{digest}"
-
-
-def torch_dir() -> str:
-    """The torch installation the extensions build against (its headers and libraries)."""
+def torch_install() -> str:
+    """This interpreter's torch: its version and the folder it is installed in. A build's command
+    names torch's headers and libraries by that folder, and torch rebuilds a build whose command
+    changed."""
     import torch
 
-    return str(Path(torch.__file__).resolve().parent)
+    return f"{torch.__version__} {Path(torch.__file__).parent}"
+
+
+def extension_name(
+    stem: str = "kiln_x86_ops",
+    source: Path = SOURCE,
+    cflags: list[str] = CFLAGS,
+    torch_dir: str | None = None,
+) -> str:
+    """``<stem>_<isa>_<hash of source, the headers it includes, flags and torch>``: one build per
+    CPU kind, source and torch installation (``torch_dir``, default ``torch_install()``). A
+    header's change rebuilds the kernels that include it, and only those. Two virtual
+    environments (a git worktree's beside the main checkout's) sharing one build each rebuilt it
+    whenever the other had loaded it last (minutes per kernel, in the middle of a test run)."""
+    isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
+    data = b"".join(path.read_bytes() for path in included_files(source))
+    toolchain = torch_dir if torch_dir is not None else torch_install()
+    digest = hashlib.sha256(data + " ".join([*cflags, toolchain]).encode()).hexdigest()[:10]
+    return f"{stem}_{isa}_{digest}"
 
 
 def _copy_sources(source: Path, build_dir: Path) -> Path:
@@ -199,20 +208,45 @@ def _attach_pool(module: ModuleType) -> None:
         module.attach_pool(pool.pool_handle())
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def _loaders() -> list[Callable[[], object]]:
+    """Every kernel family's loader, the matmul extension first (the others attach to its work
+    pool, so they build after it)."""
     from kiln_x86.gemv import load_gemv_kernels  # csrc/x86_gemv.cpp (tiled int8 matmul)
     from kiln_x86.lora import load_lora_kernels  # csrc/x86_lora.cpp (LoRA at decode sizes)
     from kiln_x86.moe import load_moe_kernels  # csrc/x86_moe.cpp (fused_moe at decode sizes)
     from kiln_x86.quant import load_quant_kernels  # csrc/x86_quant.cpp (GGUF matmul)
 
-    built = (
-        load_kernels()
-        and load_extension("kiln_x86_attention", ATTENTION_SOURCE, ATTENTION_CFLAGS)
-        and load_quant_kernels()
-        and load_gemv_kernels()
-        and load_lora_kernels()
-        and load_moe_kernels()
-    )
+    return [
+        load_gemv_kernels,
+        load_kernels,
+        functools.partial(load_extension, "kiln_x86_attention", ATTENTION_SOURCE, ATTENTION_CFLAGS),
+        load_quant_kernels,
+        load_lora_kernels,
+        load_moe_kernels,
+    ]
+
+
+def _build_one(index: int) -> bool:
+    """Build (or find in the cache) ``_loaders()[index]``'s kernels; True where they load."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return _loaders()[index]() is not None
+
+
+def build_all() -> bool:
+    """Build every kernel family into the cache, one process per core at a time (each build is
+    one compiler process: built one after another, a 2-core machine compiled on one core), then
+    load them all here. True where every one loads."""
+    jobs = min(len(_loaders()), len(os.sched_getaffinity(0)))
+    if jobs > 1:
+        # spawn: a fresh interpreter per build, as a first `kiln serve` would be.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            list(pool.map(_build_one, range(len(_loaders()))))
+    return all(load() is not None for load in _loaders())
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build_all()
     print(f"kiln-x86 kernels: {'ready' if built else 'NOT built'} in {cache_dir()}")
     raise SystemExit(0 if built else 1)
