@@ -238,7 +238,8 @@ class TransformersForCausalLM(nn.Module):
         )
         causal_lm.requires_grad_(False)  # inference only (a graph tracer refuses grad constants)
         self.dtype = dtype
-        self.vocab_size = int(hf.get_text_config().vocab_size)
+        text = hf.get_text_config()
+        self.vocab_size = int(text.vocab_size)
         # The causal LM's children become this module's, so parameter names are checkpoint
         # names (``model.layers.0.self_attn.q_proj.weight``).
         for name, child in causal_lm.named_children():
@@ -254,14 +255,13 @@ class TransformersForCausalLM(nn.Module):
         self._add_attention_layers()
         # After the recording run: a platform's linear method may pack its weights at a first
         # call, and the recording ran on transformers' initial weights.
-        tp_plan = getattr(hf.get_text_config(), "base_model_tp_plan", None) or {}
+        tp_plan = getattr(text, "base_model_tp_plan", None) or {}
         if self.tp_size > 1 and not tp_plan:
             raise ValueError(
                 f"{type(causal_lm).__name__} has no base_model_tp_plan; tensor parallelism with "
                 "model_impl='transformers' needs one; allowed: tensor_parallel_size=1"
             )
         self._adopt_linears(causal_lm.get_output_embeddings(), tp_plan, dtype, quant_config)
-        text = hf.get_text_config()
         layers = list(self.attention_layers().values())
         self.engine_config = {
             **config_dict(hf_config),
