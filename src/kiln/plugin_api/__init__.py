@@ -140,8 +140,8 @@ API: dict[str, dict[str, ApiName]] = {
         ),
         "RequestStatus": ApiName(
             "kiln.scheduler.request",
-            "`Request.status`: `WAITING`, `WAITING_FOR_GRAMMAR`, `RUNNING`, `PREEMPTED`, then "
-            "the finished ones (`RequestStatus.is_finished(status)`)",
+            "`Request.status`: `WAITING`, `WAITING_FOR_GRAMMAR`, `WAITING_FOR_REMOTE_KVS`, "
+            "`RUNNING`, `PREEMPTED`, then the finished ones (`RequestStatus.is_finished(status)`)",
         ),
     },
     "Attention": {

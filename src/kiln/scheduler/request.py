@@ -23,6 +23,9 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_GRAMMAR = enum.auto()
     """Its structured-output grammar is still compiling; not schedulable until it is ready."""
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    """A KV connector loads part of its prompt asynchronously: it holds its blocks and is not
+    scheduled until the worker reports the load finished (``kiln.scheduler.transfers``)."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -100,6 +103,13 @@ class Request:
             lora_request=request.lora_request,
             pooling_params=request.pooling_params,
         )
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the client asked of the KV connector (vLLM's ``kv_transfer_params``, carried in
+        ``sampling_params.extra_args``); None: nothing."""
+        extra = self.sampling_params.extra_args
+        return None if extra is None else extra.get("kv_transfer_params")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -84,6 +84,7 @@ from kiln.messages import (
 from kiln.scheduler.admission import AdmissionRule, LoRASlots, PoolingPrefix, PromptLogprobsPrefix
 from kiln.scheduler.grammar_waitlist import GrammarWaitlist, grammar_bitmask
 from kiln.scheduler.interface import SchedulerInterface
+from kiln.scheduler.kv_cache.block_pool import KVCacheBlock
 from kiln.scheduler.kv_cache.manager import KVCacheManager
 from kiln.scheduler.pipeline import InFlightBatches, SingleBatch
 from kiln.scheduler.queue import RequestQueue, SchedulingKey
@@ -185,6 +186,9 @@ class Scheduler(SchedulerInterface):
         """The KV connector's scheduler side (``kiln.scheduler.transfers``; over the null
         ``NoConnector`` without one): tokens beyond the local prefix cache, and each step's
         transfers."""
+        self.loaded: list[Request] = []
+        """Requests whose asynchronous load finished (still ``WAITING_FOR_REMOTE_KVS``, their
+        blocks held): scheduled before the waiting queue, in the order their loads finished."""
 
     @property
     def in_flight(self) -> AbstractSet[str]:
@@ -246,6 +250,9 @@ class Scheduler(SchedulerInterface):
                 has_running = True
             elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 self.waiting_for_grammar.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request in self.loaded:
+                    self.loaded.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -254,14 +261,18 @@ class Scheduler(SchedulerInterface):
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._ignored)
+        """Unfinished requests, or finished ones whose blocks a KV connector still holds (the
+        engine steps on, so the worker can report their transfer done)."""
+        return bool(self.requests) or bool(self._ignored) or self.transfers.has_held_blocks()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests) + len(self._ignored)
 
     def get_request_counts(self) -> tuple[int, int]:
-        """``(num_running, num_waiting)``; waiting includes those waiting for a grammar."""
-        return len(self.running), len(self.waiting) + len(self.waiting_for_grammar)
+        """``(num_running, num_waiting)``; waiting includes those waiting for a grammar or for
+        their KV to load."""
+        num_waiting = len(self.waiting) + len(self.waiting_for_grammar)
+        return len(self.running), num_waiting + len(self.transfers.loading) + len(self.loaded)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -357,6 +368,7 @@ class Scheduler(SchedulerInterface):
         """Then waiting requests in scheduling order while the budget, ``max_num_seqs``, free
         blocks and every admission rule allow; the first that cannot start holds back the
         queue behind it."""
+        self._schedule_loaded(step)
         kv, waiting, rules = self.kv_cache_manager, self.waiting, self.admission_rules
         for rule in rules:
             rule.begin_step(self.running)
@@ -365,11 +377,17 @@ class Scheduler(SchedulerInterface):
             if not all(rule.can_admit(request) for rule in rules):
                 break
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_external = 0
+            num_external, load_async = 0, False
             if all(rule.may_reuse_prefix(request) for rule in rules):
-                num_external = self.transfers.num_external_tokens(request, num_hit_tokens)
+                num_external, load_async = self.transfers.num_external_tokens(
+                    request, num_hit_tokens
+                )
             else:
                 hit_blocks, num_hit_tokens = [], 0
+            if load_async:
+                if not self._start_loading(request, num_hit_tokens, hit_blocks, num_external):
+                    break
+                continue
             num_computed = num_hit_tokens + num_external
             num_new_tokens = request.num_tokens - num_computed
             if num_new_tokens > step.token_budget:
@@ -390,6 +408,43 @@ class Scheduler(SchedulerInterface):
             step.new_reqs.append(self._start_running(request, block_ids, num_computed))
             for rule in rules:
                 rule.admit(request)
+            step.schedule(request.request_id, num_new_tokens)
+
+    def _start_loading(
+        self,
+        request: Request,
+        num_hit_tokens: int,
+        hit_blocks: list[KVCacheBlock],
+        num_external: int,
+    ) -> bool:
+        """Admit the head of the queue with blocks for its local hit and the connector's
+        ``num_external`` tokens, which load asynchronously (their blocks are not cached until
+        they have); False when the blocks are not free."""
+        block_ids = self.kv_cache_manager.allocate_slots(
+            request, num_external, num_hit_tokens, hit_blocks, delay_caching=True
+        )
+        if block_ids is None:
+            return False
+        self.waiting.pop()
+        self.transfers.admitted(request, block_ids, num_external)
+        self.transfers.start_loading(request, num_hit_tokens, num_external)
+        return True
+
+    def _schedule_loaded(self, step: _StepBuilder) -> None:
+        """Requests whose asynchronous load finished, from the loaded position, while the budget,
+        ``max_num_seqs`` and free blocks allow (a chunk of the rest of the prompt if it is
+        longer than the budget)."""
+        while self.loaded and step.has_room_for_another() and len(self.running) < self.max_num_seqs:
+            request = self.loaded[0]
+            num_computed = request.num_computed_tokens
+            num_new_tokens = min(request.num_tokens - num_computed, step.token_budget)
+            lookahead = self._num_lookahead(num_computed + num_new_tokens)
+            kv = self.kv_cache_manager
+            if kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead) is None:
+                return
+            self.loaded.pop(0)
+            block_ids = kv.get_block_ids(request.request_id)
+            step.new_reqs.append(self._start_running(request, block_ids, num_computed))
             step.schedule(request.request_id, num_new_tokens)
 
     def _start_running(
@@ -503,7 +558,7 @@ class Scheduler(SchedulerInterface):
             scheduled_time=request.scheduled_time if is_first_output else 0.0,
         )
         if is_stopped:
-            self._free_request(request)
+            output.kv_transfer_params = self._free_request(request)
         return output
 
     def _finish_pooling(self, request: Request, pooled: bytes) -> EngineCoreOutput:
@@ -663,17 +718,36 @@ class Scheduler(SchedulerInterface):
         recomputed (preempted: the step's token, made from wrong KV, is dropped) or, with
         ``kv_load_failure_policy`` "fail", finished with finish reason "error"."""
         running = [r for r in self.running if r.request_id not in self.in_flight]
-        for request in self.transfers.apply(report, running):
+        ready, failed = self.transfers.apply(report, running)
+        self.loaded.extend(ready)
+        for request in failed:
             reason = "its KV-cache blocks failed to load"
             if self.transfers.fail_on_load_error:
                 self._fail(request, reason)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._requeue_after_failed_load(request)
             else:
                 self._preempt(request, reason)
         self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
-    def _free_request(self, request: Request) -> None:
+    def _requeue_after_failed_load(self, request: Request) -> None:
+        """A request whose asynchronous load failed (it never ran): queued again, to compute its
+        prompt after its local hit (its blocks freed: the hit is found again at admission)."""
+        logger.warning(
+            "request %s: its KV-cache blocks failed to load; it will be recomputed",
+            request.request_id,
+        )
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.add(request, self._keys[request.request_id])
+
+    def _free_request(self, request: Request) -> dict | None:
+        """Free ``request``'s blocks (or leave them to the KV connector) and forget it. Returns
+        the connector's ``kv_transfer_params`` for its client."""
         request_id = request.request_id
-        self.transfers.release(request)
+        params = self.transfers.release(request)
         del self.requests[request_id]
         del self._keys[request_id]
         self.finished_req_ids.add(request_id)
+        return params

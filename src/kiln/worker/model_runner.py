@@ -32,6 +32,7 @@ the config and the platform.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -198,7 +199,11 @@ class ModelRunner(ModelRunnerBase):
         assert self.input_batch is not None, "initialize_kv_cache() must run before execute_model()"
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            # No forward; a KV connector's background transfers still report (or nothing).
+            report = self.kv_connector.without_forward(scheduler_output.kv_connector_metadata)
+            if report is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT, kv_connector_output=report)
         plan = self._prepare(scheduler_output)
         hidden_states = self._forward(plan)
         for stage in self.stages:

@@ -61,6 +61,11 @@ class RunnerStage:
     def after_forward(self, plan: StepPlan) -> None:
         """The forward has written the step's keys and values (before sampling)."""
 
+    def without_forward(self, metadata: Any) -> KVConnectorOutput | None:
+        """A step that scheduled no tokens (the KV connector's ``metadata``): transfers in the
+        background still advance; their report, or None."""
+        return None
+
 
 class LoRAStage(RunnerStage):
     """LoRA: every step's adapters in their slots before the forward (``LoRAModelManager``)."""
@@ -102,17 +107,29 @@ class KVConnectorStage(RunnerStage):
             plan.kv_connector = connector
 
     def after_forward(self, plan: StepPlan) -> None:
+        plan.kv_connector_output = self._report()
+
+    def without_forward(self, metadata: Any) -> KVConnectorOutput:
+        """The connector's hooks of a step, without its forward: asynchronous transfers start,
+        finish and are reported while no request runs."""
+        self.connector.bind_connector_metadata(metadata)
+        self.connector.start_load_kv()
+        return self._report()
+
+    def _report(self) -> KVConnectorOutput:
+        """After the forward (or in its place): the step's saves, then the report."""
         connector = self.connector
         connector.wait_for_save()
         finished, self._finished = self._finished, set()
         sending, recving = connector.get_finished(finished)
-        plan.kv_connector_output = KVConnectorOutput(
+        report = KVConnectorOutput(
             finished_sending=sending,
             finished_recving=recving,
             invalid_block_ids=connector.get_block_ids_with_load_errors(),
             stats=connector.take_stats(),
         )
         connector.clear_connector_metadata()
+        return report
 
 
 class PromptLogprobs(RunnerStage):

@@ -146,6 +146,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_caching: bool = False,
     ) -> list[int] | None:
         """Grow ``request``'s block table to cover its computed tokens, the prefix hit,
         ``num_new_tokens`` more and ``num_lookahead_tokens`` slots after them.
@@ -158,6 +159,8 @@ class KVCacheManager:
                 no blocks yet.
             num_lookahead_tokens: slots a draft model writes after the new tokens (never
                 cached: they hold no token of the request yet).
+            delay_caching: register no new block in the prefix cache (the new tokens' KV is
+                still loading asynchronously); a later allocation registers them.
 
         Returns:
             The ids appended to the block table (hit blocks, then fresh ones; often empty), or
@@ -190,7 +193,7 @@ class KVCacheManager:
             self._num_cached_blocks[request_id] = len(new_computed_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        if self.enable_caching:
+        if self.enable_caching and not delay_caching:
             num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return [block.block_id for block in blocks[num_old_blocks:]]
