@@ -93,6 +93,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     (0 otherwise): where its queue time ends and its prefill begins."""
     pooled: bytes | None = None
     """A pooling request's vector, float32 little-endian, with its (finishing) output."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector returns to the client with a finished request (vLLM's
+    ``kv_transfer_params``: where a decode instance pulls its KV from)."""
 
     @property
     def finished(self) -> bool:

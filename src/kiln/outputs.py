@@ -13,7 +13,7 @@ processor fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +109,9 @@ class RequestOutput:
     pooled: bytes | None = None
     """A pooling request's vector (float32 little-endian bytes); None for generation. The
     offline ``LLM.embed`` / ``LLM.encode`` turn it into the outputs below."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector returned with the finished request (vLLM's ``kv_transfer_params``:
+    a prefill instance's answer says where its KV waits for the decode instance)."""
 
 
 @dataclass

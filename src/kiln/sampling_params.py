@@ -262,6 +262,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last ``k`` tokens (``k >= 1``); -1 keeps the last
     ``max_model_len``; None keeps it whole."""
+    extra_args: dict[str, Any] | None = None
+    """What plugins read (vLLM's ``extra_args``): ``{"kv_transfer_params": {...}}`` is what the
+    client asked of the KV connector (``kiln.kv_transfer.params``)."""
 
     # Stop token ids plus every EOS id (even with ignore_eos): what min_tokens masks. Filled from
     # stop_token_ids here and from the model in update_from_generation_config.

@@ -173,6 +173,8 @@ class OutputProcessor:
             state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
             state.token_ids.extend(output.new_token_ids)
             state.pooled = output.pooled
+            if output.kv_transfer_params is not None:
+                state.kv_transfer_params = output.kv_transfer_params
             state.add_logprobs(output)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if state.detokenizer is not None:

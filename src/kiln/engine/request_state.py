@@ -198,6 +198,8 @@ class RequestState(_SendsPromptLogprobsOnce):
         self.token_text = token_text if self.detokenizer is not None else None
         self.token_ids: list[int] = []
         self.pooled: bytes | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+        """The KV connector's answer with the finished request (``EngineCoreOutput``)."""
         """A pooling request's vector, once its output came."""
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -277,4 +279,5 @@ class RequestState(_SendsPromptLogprobsOnce):
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             pooled=self.pooled,
+            kv_transfer_params=self.kv_transfer_params,
         )

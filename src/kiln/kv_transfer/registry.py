@@ -17,6 +17,7 @@ from kiln.utils import resolve_obj_by_qualname
 
 _BUILTIN_CONNECTORS = {
     "OffloadingConnector": "kiln.kv_transfer.offloading.OffloadingConnector",
+    "P2pConnector": "kiln.kv_transfer.p2p.P2pConnector",
 }
 KV_CONNECTOR_REGISTRY: Registry[str] = Registry("kv connector", builtins=_BUILTIN_CONNECTORS)
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from kiln.kv_transfer.params import check_kv_transfer_params
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.tokenizer import message_text, tool_call_arguments
 
@@ -128,6 +129,15 @@ class _SamplingFields(RequestBody):
     structured_outputs: dict[str, Any] | None = None
     """vLLM's constraint on the output: one of ``json`` (a schema), ``regex``, ``choice``,
     ``grammar`` (EBNF) or ``json_object`` (the ``StructuredOutputsParams`` fields)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector is asked (vLLM's disaggregated prefill: ``{"do_remote_decode":
+    true}`` on a prefill instance; the prefill's answer with ``"do_remote_prefill": true`` on a
+    decode instance); checked by ``kiln.kv_transfer.params``."""
+
+    @field_validator("kv_transfer_params", mode="before")
+    @classmethod
+    def _check_kv_transfer_params(cls, value: Any) -> Any:
+        return check_kv_transfer_params(value)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's output constraint.

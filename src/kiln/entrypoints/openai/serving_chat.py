@@ -272,7 +272,9 @@ class ChatRun:
         return self.parsers[i].message(text)
 
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
+        kv_transfer_params = None
         async for _, output in outputs:
+            kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             self._take(output)
         choices = [
             {
@@ -284,7 +286,7 @@ class ChatRun:
             }
             for i in range(self.request.n)
         ]
-        return {
+        response = {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
@@ -292,6 +294,9 @@ class ChatRun:
             "choices": choices,
             "usage": self._usage(),
         }
+        if kv_transfer_params is not None:
+            response["kv_transfer_params"] = kv_transfer_params
+        return response
 
 
 __all__ = ["ChatRun", "OpenAIServingChat"]

@@ -262,7 +262,9 @@ class _Run:
             yield sse({**self._envelope([]), "usage": self._usage()})
 
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
+        kv_transfer_params = None
         async for prompt_index, output in outputs:
+            kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             for completion in output.outputs:
                 self._take(prompt_index, output, completion)
         choices = []
@@ -294,7 +296,10 @@ class _Run:
                 data["prompt_token_ids"] = prompt.token_ids
                 data["token_ids"] = choice.token_ids
             choices.append(data)
-        return {**self._envelope(choices), "usage": self._usage()}
+        response = {**self._envelope(choices), "usage": self._usage()}
+        if kv_transfer_params is not None:
+            response["kv_transfer_params"] = kv_transfer_params
+        return response
 
 
 def _vllm_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> list[Any] | None:

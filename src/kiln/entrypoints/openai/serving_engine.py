@@ -374,6 +374,11 @@ class OpenAIServing:
                 truncate_prompt_tokens=request.truncate_prompt_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=request.structured_outputs_params(),
+                extra_args=(
+                    None
+                    if request.kv_transfer_params is None
+                    else {"kv_transfer_params": request.kv_transfer_params}
+                ),
             )
         except ValueError as exc:
             raise bad_request(exc, self.request_fields) from None
