@@ -1,5 +1,5 @@
 """The ``kiln`` command: ``plugins``, ``serve``, ``bench serve``, ``chat``, ``models``,
-``export-tokenizer``."""
+``proxy``, ``export-tokenizer``."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
-    from kiln.entrypoints import chat, export_tokenizer, models
+    from kiln.entrypoints import chat, export_tokenizer, models, proxy
 
     _add_module_command(
         sub,
@@ -109,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="list every model architecture Kiln can serve, and how",
         description="One row per architecture (config.json's architectures name): native or "
         "from a plugin (which), the GGUF architectures that load as it, and its class.",
+    )
+    _add_module_command(
+        sub,
+        "proxy",
+        proxy,
+        help="serve disaggregated prefill: prompts on prefill instances, decodes on others",
+        description="An OpenAI-compatible proxy speaking vLLM's disaggregated-prefill "
+        "protocol: each completion runs its prompt on a --prefill instance (max_tokens=1, "
+        "kv_transfer_params do_remote_decode) and its decode on a --decode instance, which pulls "
+        "the prompt's KV blocks (P2pConnector). Round robin over several of each; /v1/models "
+        "and /health pass through.",
     )
     _add_module_command(
         sub,
