@@ -142,6 +142,15 @@ class RequestFailedError(ValueError):
     the request's client (the API answers it as a 400)."""
 
 
+KV_LOAD_FAILED = "its KV-cache blocks failed to load (kv_load_failure_policy 'fail')"
+"""The ``stop_reason`` of a request failed because its KV connector's load failed."""
+
+
+class KVLoadFailedError(RequestFailedError):
+    """The request's KV blocks failed to load and ``kv_load_failure_policy`` is "fail": the
+    fault is the server's, not the request's (the API answers a 503; a retry may succeed)."""
+
+
 @dataclass
 class NewRequestData:
     """A request the runner has no state for: new, or resumed after preemption."""

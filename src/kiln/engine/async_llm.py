@@ -33,7 +33,14 @@ from kiln.engine.core_client import AsyncMPClient
 from kiln.engine.frontend import Frontend, pooling_sampling_params
 from kiln.engine.input_processor import PromptType
 from kiln.engine.stats import IterationStats, StatsRecorder
-from kiln.messages import EngineCoreRequest, EngineDeadError, FinishReason, RequestFailedError
+from kiln.messages import (
+    KV_LOAD_FAILED,
+    EngineCoreRequest,
+    EngineDeadError,
+    FinishReason,
+    KVLoadFailedError,
+    RequestFailedError,
+)
 from kiln.outputs import RequestOutput
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
@@ -182,7 +189,9 @@ class AsyncLLM:
                     raise item
                 error = next((c for c in item.outputs if c.finish_reason == "error"), None)
                 if error is not None:  # its siblings (n > 1) are aborted below
-                    raise RequestFailedError(str(error.stop_reason))
+                    reason = str(error.stop_reason)
+                    failure = KVLoadFailedError if reason == KV_LOAD_FAILED else RequestFailedError
+                    raise failure(reason)
                 finished = item.finished
                 yield item
         finally:

@@ -71,6 +71,7 @@ from itertools import count
 
 from kiln.config import KilnConfig
 from kiln.messages import (
+    KV_LOAD_FAILED,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -723,7 +724,7 @@ class Scheduler(SchedulerInterface):
         for request in failed:
             reason = "its KV-cache blocks failed to load"
             if self.transfers.fail_on_load_error:
-                self._fail(request, reason)
+                self._fail(request, KV_LOAD_FAILED)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self._requeue_after_failed_load(request)
             else:

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from kiln.engine.async_llm import QueueFullError
-from kiln.messages import EngineDeadError
+from kiln.messages import EngineDeadError, KVLoadFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         # Its message may hold the engine's traceback: the log has it (the client marked the
         # engine dead with the reason).
         return OpenAIError("The engine is not running; the server log has the reason.", 503)
+    if isinstance(exc, KVLoadFailedError):
+        return OpenAIError(f"The request failed: {exc}; retry later.", 503)
     if isinstance(exc, ValueError):
         return bad_request(exc)
     return internal_error(exc)
