@@ -47,8 +47,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DEFAULTS = {"kv_host": "127.0.0.1", "kv_port": 14579, "kv_send_timeout": 60.0}
-_DEFAULTS["kv_load_timeout"] = 10.0
+_DEFAULTS = {
+    "kv_host": "127.0.0.1",
+    "kv_port": 14579,
+    "kv_send_timeout": 60.0,
+    "kv_load_timeout": 10.0,
+}
 IDLE_WAIT_S = 0.005
 """How long a step without a forward waits for a transfer to finish (so an engine that only
 waits for transfers does not spin)."""
@@ -239,7 +243,13 @@ class P2pConnector(KVConnectorBase):
             "dtypes": [str(c.dtype) for c in self._caches],
         }
         if self.saves:
-            self._server = BlockServer(self.host, self.port, self._read_blocks)
+            try:
+                self._server = BlockServer(self.host, self.port, self._read_blocks)
+            except OSError as exc:
+                raise OSError(
+                    f"kv_transfer.kv_connector_extra_config kv_host={self.host!r} kv_port="
+                    f"{self.port}: the P2P connector's block server cannot listen there ({exc})"
+                ) from exc
         if self.loads:
             self._pool = concurrent.futures.ThreadPoolExecutor(4, "kiln-kv-pull")
 

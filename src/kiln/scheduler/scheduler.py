@@ -596,7 +596,7 @@ class Scheduler(SchedulerInterface):
         (num_drafts, num_draft_tokens, num_accepted), self._spec_stats = self._spec_stats, [0, 0, 0]
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.transfers.loading) + len(self.loaded),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_stats.num_queries,
             prefix_cache_hits=prefix_stats.num_hits,
