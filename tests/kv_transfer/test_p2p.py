@@ -256,6 +256,14 @@ def test_bad_kv_transfer_params_are_a_400(cluster):
         assert answer.json()["error"]["param"] == "kv_transfer_params"
 
 
+def test_an_error_of_the_prefill_instance_comes_back_through_the_proxy(cluster):
+    with pytest.raises(openai.BadRequestError) as error:
+        client(cluster["proxy"].url).completions.create(
+            model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=-1
+        )
+    assert error.value.status_code == 400 and "temperature" in str(error.value)
+
+
 def test_a_dead_instance_behind_the_proxy_is_a_502_not_a_hang(cluster):
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = Proxy([cluster["prefill"].url], [dead])

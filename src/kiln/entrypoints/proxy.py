@@ -72,8 +72,9 @@ def _error(message: str, status_code: int, param: str | None = None) -> JSONResp
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request a prefill instance gets: one token, not streamed, its KV kept."""
-    prefill = {**body, "max_tokens": 1, "stream": False}
+    """The request a prefill instance gets: one completion of one token, not streamed, its KV
+    kept."""
+    prefill = {**body, "max_tokens": 1, "stream": False, "n": 1}
     prefill["kv_transfer_params"] = {"do_remote_decode": True}
     prefill.pop("stream_options", None)
     if "max_completion_tokens" in prefill:
