@@ -1,7 +1,7 @@
 """Batch invariance on the cpu platform: the op-level facts the mode is built on, its config checks,
-and the acceptance bar through ``LLM``: 32 different prompts submitted together give each the same
-greedy tokens as that prompt alone, in float32 and in bfloat16 with ``batch_invariant=True`` (where
-seeded sampling must also match)."""
+and the acceptance bar through ``LLM``: 32 different prompts submitted together give each (of eight
+checked) the same greedy tokens as that prompt alone, in float32 and in bfloat16 with
+``batch_invariant=True`` (where seeded sampling must also match)."""
 
 from __future__ import annotations
 
@@ -59,21 +59,28 @@ def _llm(**kwargs) -> LLM:
     return LLM(**ENGINE_KWARGS, plugin_config=threads, **kwargs)
 
 
+# The prompts also run alone: both shapes, the batch's first and last rows and rows between. A
+# row-count-dependent reduction changes every row of the batch, so eight of them see it; running
+# all 32 alone made these the suite's three slowest tests (800 one-row steps each).
+SOLO = (0, 5, 10, 15, 20, 25, 30, 31)
+
+
 def _batch_vs_solo(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[int]:
-    """Indices of the prompts whose tokens differ between the batch and a run alone."""
+    """Indices (among ``SOLO``) of the prompts whose tokens differ between the batch of all 32
+    and a run alone."""
     per_prompt = params if isinstance(params, list) else [params] * len(PROMPTS)
     outputs = llm.generate(PROMPTS, per_prompt, use_tqdm=False)
     together = [o.outputs[0].token_ids for o in outputs]
-    alone = [
-        llm.generate(prompt, p, use_tqdm=False)[0].outputs[0].token_ids
-        for prompt, p in zip(PROMPTS, per_prompt, strict=True)
-    ]
     assert [len(t) for t in together] == [p.max_tokens for p in per_prompt]
-    return [i for i in range(len(PROMPTS)) if together[i] != alone[i]]
+    alone = {
+        i: llm.generate(PROMPTS[i], per_prompt[i], use_tqdm=False)[0].outputs[0].token_ids
+        for i in SOLO
+    }
+    return [i for i in SOLO if together[i] != alone[i]]
 
 
 # -- the acceptance bar, through LLM -------------------------------------------------------------
-# 33 generate calls each; on a shared 2-core machine one took over 600 s (a few minutes idle).
+# Nine generate calls each; on a shared 2-core machine 33 of them took over 600 s.
 LLM_TIMEOUT_S = 1800
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -70,7 +71,43 @@ def _class_errors(report: dict) -> str | None:
     return "; ".join(lines) or None
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Subcommands whose flags and ``main`` live in a module of their own: (name, module, help,
+# description). The module is imported only when the parser is built for it (``build_parser``).
+_MODULE_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "chat": (
+        "kiln.entrypoints.chat",
+        "chat in the terminal with a local model or a running server",
+        "An interactive, streamed chat. /reset forgets the conversation, /exit leaves.",
+    ),
+    "models": (
+        "kiln.entrypoints.models",
+        "list every model architecture Kiln can serve, and how",
+        "One row per architecture (config.json's architectures name): native or from a plugin "
+        "(which), the GGUF architectures that load as it, and its class.",
+    ),
+    "proxy": (
+        "kiln.entrypoints.proxy",
+        "serve disaggregated prefill: prompts on prefill instances, decodes on others",
+        "An OpenAI-compatible proxy speaking vLLM's disaggregated-prefill protocol: each "
+        "completion runs its prompt on a --prefill instance (max_tokens=1, kv_transfer_params "
+        "do_remote_decode) and its decode on a --decode instance, which pulls the prompt's KV "
+        "blocks (P2pConnector). Round robin over several of each; /v1/models and /health pass "
+        "through.",
+    ),
+    "export-tokenizer": (
+        "kiln.entrypoints.export_tokenizer",
+        "write the model's tokenizer as a Hugging Face folder (for eval and load tools)",
+        "Write DIR: MODEL's tokenizer, chat template and config (no weights) as a folder that "
+        "transformers' AutoTokenizer.from_pretrained loads, giving Kiln's token ids (for lm-eval, "
+        "guidellm, aiperf).",
+    ),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kiln`` parser. With ``command`` (a subcommand's name), only that subcommand gets its
+    flags and the others are bare names: building the serve, proxy and bench flags imports the
+    server, which made every ``kiln plugins`` take 2 s longer. ``None``: every subcommand's."""
     parser = argparse.ArgumentParser(
         prog="kiln", description="Kiln: an LLM serving engine with pluggable hardware."
     )
@@ -90,53 +127,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_args(plugins)
     plugins.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plugins.set_defaults(func=cmd_plugins)
-    _add_plugin_parser(sub)
-    _add_serve_parser(sub)
-    _add_bench_parser(sub)
-    from kiln.entrypoints import chat, export_tokenizer, models, proxy
-
-    _add_module_command(
-        sub,
-        "chat",
-        chat,
-        help="chat in the terminal with a local model or a running server",
-        description="An interactive, streamed chat. /reset forgets the conversation, /exit leaves.",
-    )
-    _add_module_command(
-        sub,
-        "models",
-        models,
-        help="list every model architecture Kiln can serve, and how",
-        description="One row per architecture (config.json's architectures name): native or "
-        "from a plugin (which), the GGUF architectures that load as it, and its class.",
-    )
-    _add_module_command(
-        sub,
-        "proxy",
-        proxy,
-        help="serve disaggregated prefill: prompts on prefill instances, decodes on others",
-        description="An OpenAI-compatible proxy speaking vLLM's disaggregated-prefill "
-        "protocol: each completion runs its prompt on a --prefill instance (max_tokens=1, "
-        "kv_transfer_params do_remote_decode) and its decode on a --decode instance, which pulls "
-        "the prompt's KV blocks (P2pConnector). Round robin over several of each; /v1/models "
-        "and /health pass through.",
-    )
-    _add_module_command(
-        sub,
-        "export-tokenizer",
-        export_tokenizer,
-        help="write the model's tokenizer as a Hugging Face folder (for eval and load tools)",
-        description="Write DIR: MODEL's tokenizer, chat template and config (no weights) as a "
-        "folder that transformers' AutoTokenizer.from_pretrained loads, giving Kiln's token ids "
-        "(for lm-eval, guidellm, aiperf).",
-    )
+    builders = {
+        "plugin": _add_plugin_parser,
+        "serve": _add_serve_parser,
+        "bench": _add_bench_parser,
+    }
+    for name in ("plugin", "serve", "bench", *_MODULE_COMMANDS):
+        if command not in (None, name):
+            sub.add_parser(name, help=_BRIEF.get(name) or _MODULE_COMMANDS[name][1])
+        elif name in builders:
+            builders[name](sub)
+        else:
+            module, brief, description = _MODULE_COMMANDS[name]
+            _add_module_command(
+                sub, name, importlib.import_module(module), help=brief, description=description
+            )
     return parser
+
+
+_BRIEF = {
+    "plugin": "tools for plugin authors",
+    "serve": "serve a model with an OpenAI-compatible API",
+    "bench": "benchmark a running server",
+}
 
 
 def _add_plugin_parser(sub: argparse._SubParsersAction) -> None:
     from kiln.entrypoints import plugin_new
 
-    plugin = sub.add_parser("plugin", help="tools for plugin authors")
+    plugin = sub.add_parser("plugin", help=_BRIEF["plugin"])
     plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
     _add_module_command(
         plugin_sub,
@@ -163,7 +182,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
     parser = sub.add_parser(
         "serve",
-        help="serve a model with an OpenAI-compatible API",
+        help=_BRIEF["serve"],
         description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over HTTP with "
         "OpenAI's /v1/completions and /v1/chat/completions, plus /health, /metrics, /tokenize, "
         "/detokenize, /version and /debug/plugins. Flags follow `vllm serve`.",
@@ -181,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kiln.bench import serve as bench_serve
 
-    bench = sub.add_parser("bench", help="benchmark a running server")
+    bench = sub.add_parser("bench", help=_BRIEF["bench"])
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     _add_module_command(
         bench_sub,
@@ -194,8 +213,18 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _command_of(argv: list[str]) -> str:
+    """The subcommand ``argv`` names ('' when none does: then only the top-level help runs)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    pre.add_argument("command", nargs="?", default="")
+    known, _ = pre.parse_known_args(argv)
+    return str(known.command)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_of(argv)).parse_args(argv)
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))

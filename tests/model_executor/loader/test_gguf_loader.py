@@ -7,10 +7,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter, quants
+from gguf import GGUFValueType, GGUFWriter, quants
 from gguf.constants import GGMLQuantizationType as T
 
 from kiln.model_executor.loader import get_loader
+from kiln.model_executor.loader.gguf_file import GGUFFile
 from kiln.model_executor.loader.gguf_loader import GGUFLoader, hf_tensor_name, open_gguf
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 32, 4, 2, 48, 10
@@ -325,19 +326,76 @@ def test_reader_is_parsed_once_per_process_and_file_version(tmp_path) -> None:
     assert second.fields["llama.rope.freq_base"].contents() == 500000.0
 
 
-def test_fast_reader_parses_like_gguf_reader(tmp_path) -> None:
+def _assert_parses_like_gguf_reader(path: str) -> None:
     from gguf import GGUFReader
 
+    plain, ours = GGUFReader(path), GGUFFile(path)
+    # GGUFReader also lists the header's counts as GGUF.version, GGUF.tensor_count, GGUF.kv_count.
+    header = {"GGUF.version": 3, "GGUF.tensor_count": len(plain.tensors)}
+    assert {key: plain.fields[key].contents() for key in header} == header
+    metadata = {key: field for key, field in plain.fields.items() if not key.startswith("GGUF.")}
+    assert list(ours.fields) == list(metadata)
+    for key, field in metadata.items():
+        assert ours.fields[key].types == field.types, key
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in plain.tensors]
+    for mine, theirs in zip(ours.tensors, plain.tensors, strict=True):
+        assert mine.tensor_type == theirs.tensor_type
+        assert mine.shape == tuple(theirs.shape.tolist())
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+        np.testing.assert_array_equal(mine.data, theirs.data)
+
+
+def test_gguf_file_parses_like_gguf_reader(tmp_path) -> None:
+    """Every value type, arrays of each, and float, integer, bf16 and block-quantized tensors."""
     path = str(tmp_path / "m.gguf")
-    write_gguf(path, "qwen2", hf_weights("qwen2", tied=False))
-    plain, fast = GGUFReader(path), open_gguf(path)
-    assert list(fast.fields) == list(plain.fields)
-    for key, field in plain.fields.items():
-        assert fast.fields[key].contents() == field.contents(), key
-    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
-    for ours, theirs in zip(fast.tensors, plain.tensors, strict=True):
-        assert ours.tensor_type == theirs.tensor_type
-        np.testing.assert_array_equal(ours.data, theirs.data)
+    rng = np.random.default_rng(0)
+    extra = {
+        "f16.weight": rng.standard_normal((4, 64)).astype(np.float16),
+        "i32.weight": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "i8.weight": np.arange(-8, 8, dtype=np.int8),
+    }
+    write_gguf(path, "qwen2", hf_weights("qwen2", tied=False), extra_tensors=extra)
+    writer = GGUFWriter(str(tmp_path / "types.gguf"), "llama")
+    for kind in GGUFValueType:
+        if kind in (GGUFValueType.ARRAY, GGUFValueType.STRING):
+            continue
+        value = 1.5 if "FLOAT" in kind.name else (True if kind == GGUFValueType.BOOL else 7)
+        writer.add_key_value(f"scalar.{kind.name}", value, kind)
+        writer.add_key_value(f"array.{kind.name}", [value, value], GGUFValueType.ARRAY, kind)
+    writer.add_key_value("text", "héllo", GGUFValueType.STRING)
+    writer.add_key_value("texts", ["a", "", "ü"], GGUFValueType.ARRAY, GGUFValueType.STRING)
+    bf16 = rng.standard_normal((2, 32)).astype(np.float32)
+    writer.add_tensor("bf16.weight", quants.quantize(bf16, T.BF16), raw_dtype=T.BF16)
+    writer.add_tensor("q4_0.weight", quants.quantize(bf16, T.Q4_0), raw_dtype=T.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_parses_like_gguf_reader(path)
+    _assert_parses_like_gguf_reader(str(tmp_path / "types.gguf"))
+
+
+@pytest.mark.slow
+def test_gguf_file_parses_the_default_model_like_gguf_reader(default_gguf: str) -> None:
+    """~100k vocabulary and merge strings, float score arrays, Q4_1, Q6_K and F32 tensors."""
+    _assert_parses_like_gguf_reader(default_gguf)
+
+
+def test_bad_gguf_files_are_value_errors(tmp_path) -> None:
+    path = tmp_path / "m.gguf"
+    write_gguf(str(path), "llama", hf_weights("llama", tied=True))
+    whole = path.read_bytes()
+    for name, data, needle in [
+        ("truncated", whole[:200], "is truncated"),
+        ("version", whole[:4] + (1).to_bytes(4, "little") + whole[8:], "has version 1"),
+        ("big-endian", whole[:4] + (3).to_bytes(4, "big") + whole[8:], "big-endian"),
+        ("magic", b"GGML" + whole[4:], "no 'GGUF' magic"),
+    ]:
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match=needle):
+            GGUFFile(str(bad))
 
 
 # Hugging Face module names -> llama.cpp's, in a Gemma block (written from gguf's tensor map).
