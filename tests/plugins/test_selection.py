@@ -2,13 +2,38 @@
 
 Each case runs ``kiln plugins --json`` in a fresh process with the test plugin installed; the
 ``KILN_TEST_*`` variables switch its behaviours on (see ``kiln_test_plugin/__init__.py``).
+Cases that ask for the same command in the same environment share one run of it.
 """
+
+import copy
+import functools
+import os
+from typing import Any
 
 import pytest
 
-from kiln.testing import plugin_report, run_python
+from kiln import testing
+from kiln.testing import run_python
 
 pytestmark = pytest.mark.plugin
+
+
+@functools.cache
+def _report_of(
+    platform: str | None, environment: frozenset[tuple[str, str]], plugin_config: str | None
+) -> tuple[int, dict[str, Any]]:
+    return testing.plugin_report(platform, dict(environment), plugin_config)
+
+
+def plugin_report(
+    platform: str | None = None,
+    env: dict[str, str] | None = None,
+    plugin_config: str | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """``kiln.testing.plugin_report``, run once per distinct command and whole environment."""
+    environment = frozenset({**os.environ, **(env or {})}.items())
+    rc, report = _report_of(platform, environment, plugin_config)
+    return rc, copy.deepcopy(report)
 
 
 def _record(report, name, group="platform_plugins"):
