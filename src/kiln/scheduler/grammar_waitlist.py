@@ -17,12 +17,16 @@ This module knows the requests and the grammar manager, not the scheduler's queu
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 
 import numpy as np
 
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.structured_output import StructuredOutputManager
+from kiln.structured_output.manager import grammar_failure, valid_drafts
+
+logger = logging.getLogger(__name__)
 
 _GRAMMAR_POLL_SECONDS = 0.005
 """While only grammar compiles are pending, ``take_done`` waits this long for one instead of
@@ -118,4 +122,34 @@ def grammar_bitmask(
     return req_ids, bitmask
 
 
-__all__ = ["GrammarWaitlist", "grammar_bitmask"]
+def accept_token(request: Request, token_id: int, errors: dict[str, str]) -> bool:
+    """Advance ``request``'s grammar by ``token_id``. False when the grammar raised: the
+    request is then in ``errors`` (request id -> message; the caller fails it), not the step."""
+    assert request.matcher is not None
+    try:
+        if not request.matcher.accept_token(token_id):
+            logger.error(
+                "request %s: token %d is not allowed by its grammar", request.request_id, token_id
+            )
+    except Exception as exc:
+        errors[request.request_id] = grammar_failure(exc)
+        return False
+    return True
+
+
+def allowed_drafts(request: Request, drafts: list[int], errors: dict[str, str]) -> list[int]:
+    """The runner's ``drafts`` for ``request``'s next step, cut where its grammar (which has
+    taken this step's tokens) forbids one; none when the grammar raised (now, into ``errors``,
+    or before: the request is in ``errors`` already)."""
+    if request.matcher is None or not drafts:
+        return drafts
+    if request.request_id in errors:
+        return []
+    try:
+        return valid_drafts(request.matcher, drafts)
+    except Exception as exc:
+        errors[request.request_id] = grammar_failure(exc)
+        return []
+
+
+__all__ = ["GrammarWaitlist", "accept_token", "allowed_drafts", "grammar_bitmask"]

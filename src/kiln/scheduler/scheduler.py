@@ -83,7 +83,13 @@ from kiln.messages import (
     SchedulerStats,
 )
 from kiln.scheduler.admission import AdmissionRule, LoRASlots, PoolingPrefix, PromptLogprobsPrefix
-from kiln.scheduler.grammar_waitlist import GrammarWaitlist, grammar_bitmask
+from kiln.scheduler.drafts import DraftAccounting
+from kiln.scheduler.grammar_waitlist import (
+    GrammarWaitlist,
+    accept_token,
+    allowed_drafts,
+    grammar_bitmask,
+)
 from kiln.scheduler.interface import SchedulerInterface
 from kiln.scheduler.kv_cache.block_pool import KVCacheBlock
 from kiln.scheduler.kv_cache.manager import KVCacheManager
@@ -92,7 +98,6 @@ from kiln.scheduler.queue import RequestQueue, SchedulingKey
 from kiln.scheduler.request import Request, RequestStatus
 from kiln.scheduler.transfers import KVTransfers
 from kiln.structured_output import StructuredOutputManager
-from kiln.structured_output.manager import grammar_failure, valid_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +137,6 @@ class Scheduler(SchedulerInterface):
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
-        self.num_lookahead_tokens = config.speculative.num_lookahead_tokens
-        """KV slots allocated after a request's scheduled tokens (a draft model's drafts)."""
         self.block_size = config.cache.block_size
         capacity = (num_blocks - 1) * self.block_size
         max_model_len = config.model.max_model_len or capacity
@@ -146,6 +149,8 @@ class Scheduler(SchedulerInterface):
             )
         # A request longer than the whole cache would preempt itself forever: cap it.
         self.max_model_len = min(max_model_len, capacity)
+        self.drafts = DraftAccounting(config.speculative.num_lookahead_tokens, self.max_model_len)
+        """Draft limits, lookahead slots and acceptance counters (``kiln.scheduler.drafts``)."""
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             self.block_size,
@@ -166,7 +171,6 @@ class Scheduler(SchedulerInterface):
         """Requests whose grammar raised while this scheduler worked on them (their bitmask,
         a token they sampled, their drafts): failed alone at the next ``update_from_output``."""
         self._num_preemptions = 0
-        self._spec_stats = [0, 0, 0]  # drafts, draft tokens, accepted tokens since make_stats()
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_grammar = GrammarWaitlist(self.structured_output_manager)
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
@@ -185,11 +189,8 @@ class Scheduler(SchedulerInterface):
             self.admission_rules.append(LoRASlots(config.lora.max_loras))
         self.transfers = KVTransfers(config, self.kv_cache_manager)
         """The KV connector's scheduler side (``kiln.scheduler.transfers``; over the null
-        ``NoConnector`` without one): tokens beyond the local prefix cache, and each step's
-        transfers."""
-        self.loaded: list[Request] = []
-        """Requests whose asynchronous load finished (still ``WAITING_FOR_REMOTE_KVS``, their
-        blocks held): scheduled before the waiting queue, in the order their loads finished."""
+        ``NoConnector`` without one): tokens beyond the local prefix cache, the requests whose
+        KV loads, and each step's transfers."""
 
     @property
     def in_flight(self) -> AbstractSet[str]:
@@ -251,10 +252,7 @@ class Scheduler(SchedulerInterface):
                 has_running = True
             elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 self.waiting_for_grammar.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if request in self.loaded:
-                    self.loaded.remove(request)
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # (released below)
                 self.waiting.remove(request)
             request.status = finished_status
             self._free_request(request)
@@ -273,7 +271,7 @@ class Scheduler(SchedulerInterface):
         """``(num_running, num_waiting)``; waiting includes those waiting for a grammar or for
         their KV to load."""
         num_waiting = len(self.waiting) + len(self.waiting_for_grammar)
-        return len(self.running), num_waiting + len(self.transfers.loading) + len(self.loaded)
+        return len(self.running), num_waiting + self.transfers.num_waiting
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -329,7 +327,7 @@ class Scheduler(SchedulerInterface):
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if drafts:
-                drafts = drafts[: self._max_num_drafts(request, step.token_budget)]
+                drafts = drafts[: self.drafts.max_num_drafts(request, step.token_budget)]
                 num_new_tokens += len(drafts)
             num_new_tokens = min(num_new_tokens, step.token_budget)
             assert num_new_tokens > 0, request
@@ -351,7 +349,7 @@ class Scheduler(SchedulerInterface):
     ) -> list[int] | None:
         """Slots for a running request's ``num_new_tokens``, preempting the running request that
         sorts last (not in flight) until they fit; None when ``request`` preempted itself."""
-        lookahead = self._num_lookahead(request.num_computed_tokens + num_new_tokens)
+        lookahead = self.drafts.num_lookahead(request.num_computed_tokens + num_new_tokens)
         running = self.running
         while (
             new_block_ids := self.kv_cache_manager.allocate_slots(
@@ -398,7 +396,7 @@ class Scheduler(SchedulerInterface):
                 ):
                     break  # Fits a later step whole.
                 num_new_tokens = step.token_budget
-            lookahead = self._num_lookahead(num_computed + num_new_tokens)
+            lookahead = self.drafts.num_lookahead(num_computed + num_new_tokens)
             block_ids = kv.allocate_slots(
                 request, num_external + num_new_tokens, num_hit_tokens, hit_blocks, lookahead
             )
@@ -435,15 +433,16 @@ class Scheduler(SchedulerInterface):
         """Requests whose asynchronous load finished, from the loaded position, while the budget,
         ``max_num_seqs`` and free blocks allow (a chunk of the rest of the prompt if it is
         longer than the budget)."""
-        while self.loaded and step.has_room_for_another() and len(self.running) < self.max_num_seqs:
-            request = self.loaded[0]
+        loaded = self.transfers.loaded
+        while loaded and step.has_room_for_another() and len(self.running) < self.max_num_seqs:
+            request = loaded[0]
             num_computed = request.num_computed_tokens
             num_new_tokens = min(request.num_tokens - num_computed, step.token_budget)
-            lookahead = self._num_lookahead(num_computed + num_new_tokens)
+            lookahead = self.drafts.num_lookahead(num_computed + num_new_tokens)
             kv = self.kv_cache_manager
             if kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead) is None:
                 return
-            self.loaded.pop(0)
+            loaded.pop(0)
             block_ids = kv.get_block_ids(request.request_id)
             step.new_reqs.append(self._start_running(request, block_ids, num_computed))
             step.schedule(request.request_id, num_new_tokens)
@@ -533,7 +532,7 @@ class Scheduler(SchedulerInterface):
             return None
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
         if drafts:
-            self._take_back_rejected(request, len(drafts), len(new_token_ids))
+            self.drafts.take_back_rejected(request, len(drafts), len(new_token_ids))
         is_first_output = request.num_output_tokens == 0
         # A prefill recomputed after a preemption computes prompt logprobs again: sent once.
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
@@ -545,8 +544,8 @@ class Scheduler(SchedulerInterface):
         if new_logprobs is not None and len(new_logprobs.logprobs) > len(new_token_ids):
             new_logprobs = new_logprobs.slice(0, len(new_token_ids))
         if not is_stopped and model_runner_output.spec_token_ids:
-            request.spec_token_ids = self._next_drafts(
-                request, model_runner_output.spec_token_ids[index]
+            request.spec_token_ids = allowed_drafts(
+                request, model_runner_output.spec_token_ids[index], self._grammar_errors
             )
         output = EngineCoreOutput(
             request_id,
@@ -580,10 +579,12 @@ class Scheduler(SchedulerInterface):
     def _append_tokens(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         """Append the step's tokens to ``request`` up to a stop; advances its grammar. Returns
         the tokens taken and whether it stopped (not when its grammar raised: see
-        ``_accept``)."""
+        ``accept_token``)."""
         for i, token_id in enumerate(new_token_ids):
             request.output_token_ids.append(token_id)
-            if request.matcher is not None and not self._accept(request, token_id):
+            if request.matcher is not None and not accept_token(
+                request, token_id, self._grammar_errors
+            ):
                 break  # its grammar raised: failed by the caller, before it can stop
             if request.check_stop(self.max_model_len):
                 return new_token_ids[: i + 1], True
@@ -593,10 +594,10 @@ class Scheduler(SchedulerInterface):
         """Current counts, plus prefix-cache and preemption numbers since the last call."""
         prefix_stats = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
-        (num_drafts, num_draft_tokens, num_accepted), self._spec_stats = self._spec_stats, [0, 0, 0]
+        num_drafts, num_draft_tokens, num_accepted = self.drafts.take_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.transfers.loading) + len(self.loaded),
+            num_waiting_reqs=len(self.waiting) + self.transfers.num_waiting,
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_stats.num_queries,
             prefix_cache_hits=prefix_stats.num_hits,
@@ -622,35 +623,6 @@ class Scheduler(SchedulerInterface):
         for request, error in failed:
             self._fail(request, error)
 
-    def _accept(self, request: Request, token_id: int) -> bool:
-        """Advance ``request``'s grammar by ``token_id``. False when the grammar raised: the
-        request is then in ``_grammar_errors`` (failed by this update), not the step."""
-        assert request.matcher is not None
-        try:
-            if not request.matcher.accept_token(token_id):
-                logger.error(
-                    "request %s: token %d is not allowed by its grammar",
-                    request.request_id,
-                    token_id,
-                )
-        except Exception as exc:
-            self._grammar_errors[request.request_id] = grammar_failure(exc)
-            return False
-        return True
-
-    def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """The runner's ``drafts`` for ``request``'s next step, cut where its grammar (which has
-        taken this step's tokens) forbids one; none when the grammar raised (see ``_accept``)."""
-        if request.matcher is None or not drafts:
-            return drafts
-        if request.request_id in self._grammar_errors:
-            return []
-        try:
-            return valid_drafts(request.matcher, drafts)
-        except Exception as exc:
-            self._grammar_errors[request.request_id] = grammar_failure(exc)
-            return []
-
     def _fail_requests(self, errors: dict[str, str]) -> None:
         """Finish the running requests that failed in the step (``ModelRunnerOutput.
         failed_requests``) with finish reason "error". The step's blocks of each leave the
@@ -672,30 +644,6 @@ class Scheduler(SchedulerInterface):
             request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error
         )
         self._free_request(request)
-
-    def _num_lookahead(self, num_tokens: int) -> int:
-        """Lookahead slots for a request with ``num_tokens`` scheduled or computed: within the
-        context (the block table of a request ends there)."""
-        return max(min(self.num_lookahead_tokens, self.max_model_len - num_tokens), 0)
-
-    def _max_num_drafts(self, request: Request, token_budget: int) -> int:
-        """The most drafts a decoding request may verify now: all of them and the bonus token
-        must fit the budget, the context and ``max_tokens``."""
-        limit = min(token_budget, self.max_model_len - request.num_tokens) - 1
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        return max(limit, 0)
-
-    def _take_back_rejected(self, request: Request, num_drafts: int, num_new_tokens: int) -> None:
-        """After verifying ``num_drafts`` drafts that yielded ``num_new_tokens`` tokens (the
-        accepted drafts and one more): uncount the rejected drafts' computed slots."""
-        num_accepted = num_new_tokens - 1
-        request.num_computed_tokens -= num_drafts - num_accepted
-        stats = self._spec_stats
-        stats[0] += 1
-        stats[1] += num_drafts
-        stats[2] += num_accepted
 
     def _preempt(self, request: Request, reason: str = "out of KV-cache blocks") -> None:
         """Free a running request's blocks and queue it again, to recompute from scratch."""
@@ -719,8 +667,7 @@ class Scheduler(SchedulerInterface):
         recomputed (preempted: the step's token, made from wrong KV, is dropped) or, with
         ``kv_load_failure_policy`` "fail", finished with finish reason "error"."""
         running = [r for r in self.running if r.request_id not in self.in_flight]
-        ready, failed = self.transfers.apply(report, running)
-        self.loaded.extend(ready)
+        failed = self.transfers.apply(report, running)
         for request in failed:
             reason = "its KV-cache blocks failed to load"
             if self.transfers.fail_on_load_error:

@@ -51,6 +51,9 @@ class KVTransfers:
         """Requests recomputed after a failed load: the connector is not asked for them."""
         self.loading: dict[str, tuple[Request, int]] = {}
         """Requests in ``WAITING_FOR_REMOTE_KVS``: each with its local prefix hit in tokens."""
+        self.loaded: list[Request] = []
+        """Requests whose asynchronous load finished (still ``WAITING_FOR_REMOTE_KVS``, their
+        blocks held): the scheduler starts them before the waiting queue, in this order."""
         self._stats: dict[str, float] = {}
 
     def num_external_tokens(self, request: Request, num_hit_tokens: int) -> tuple[int, bool]:
@@ -70,6 +73,11 @@ class KVTransfers:
         request.num_computed_tokens = num_hit_tokens + num_external
         self.loading[request.request_id] = (request, num_hit_tokens)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their KV: loading, or loaded and not started yet."""
+        return len(self.loading) + len(self.loaded)
+
     def has_held_blocks(self) -> bool:
         """Whether finished requests' blocks wait for the worker's report of their save."""
         return bool(self._sending)
@@ -86,11 +94,12 @@ class KVTransfers:
         return self.connector.build_connector_meta(scheduler_output)
 
     def release(self, request: Request) -> dict[str, Any] | None:
-        """A finished request (a loading one included): free its blocks, or hold them until
-        its save is done. Returns the connector's ``kv_transfer_params`` for the client."""
+        """A finished request (a loading or loaded one included): free its blocks, or hold them
+        until its save is done. Returns the connector's ``kv_transfer_params`` for the client."""
         request_id = request.request_id
         self._load_failed.discard(request_id)
-        self.loading.pop(request_id, None)
+        if self.loading.pop(request_id, None) is None and request in self.loaded:
+            self.loaded.remove(request)
         block_ids = self.kv_cache_manager.get_block_ids(request_id)
         hold, params = self.connector.request_finished(request, block_ids)
         if hold:
@@ -99,17 +108,15 @@ class KVTransfers:
             self.kv_cache_manager.free(request)
         return params
 
-    def apply(
-        self, report: KVConnectorOutput, running: Iterable[Request]
-    ) -> tuple[list[Request], list[Request]]:
-        """The worker side's report of a step.
+    def apply(self, report: KVConnectorOutput, running: Iterable[Request]) -> list[Request]:
+        """The worker side's report of a step. Requests whose asynchronous load finished and
+        holds no failed block join ``loaded`` (ready to run from their ``num_computed_tokens``).
 
         Returns:
-            The requests whose asynchronous load finished and holds no failed block (ready to
-            run from their ``num_computed_tokens``), and the requests holding a block whose
-            load failed: ``running`` ones and loading ones (each counted in ``failed_loads``,
-            marked not to ask the connector again, its blocks from the first failed one out of
-            the prefix cache; a loading one back at its local hit).
+            The requests holding a block whose load failed: ``running`` ones and loading ones
+            (each counted in ``failed_loads``, marked not to ask the connector again, its blocks
+            from the first failed one out of the prefix cache; a loading one back at its local
+            hit).
         """
         for request_id in report.finished_sending:
             request = self._sending.pop(request_id, None)
@@ -119,7 +126,6 @@ class KVTransfers:
             self._count(name, value)
         invalid = report.invalid_block_ids
         failed = [r for r in running if invalid and self._failed_load(r, invalid)]
-        ready = []
         for request_id in report.finished_recving:
             request, _ = self.loading.pop(request_id, (None, 0))
             if request is None:
@@ -127,8 +133,8 @@ class KVTransfers:
             if invalid and self._failed_load(request, invalid):
                 failed.append(request)
                 continue
-            ready.append(request)
-        return ready, failed
+            self.loaded.append(request)
+        return failed
 
     def _failed_load(self, request: Request, invalid: set[int]) -> bool:
         """Whether ``request`` holds a block of ``invalid``; if so it is counted, marked and
