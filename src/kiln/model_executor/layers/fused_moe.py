@@ -45,13 +45,18 @@ This module knows nothing about models or platforms.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.distributed.parallel_state import divide, tp_group_for
+from kiln.distributed.parallel_state import (
+    TensorParallelGroup,
+    divide,
+    set_tp_group,
+    tp_group_for,
+)
 from kiln.model_executor.custom_op import CustomOp, is_capturing, register_op
 from kiln.model_executor.layers.linear import set_weight_attrs
 
@@ -337,16 +342,19 @@ class FusedMoE(CustomOp):
             (6, 1, "sigmoid", False, torch.float32),
             (4, 3, "sigmoid", True, torch.bfloat16),
         ]
-        for num_experts, top_k, scoring, renormalize, dtype in cases:
-            layer = cls(
-                num_experts,
-                top_k,
-                64,
-                48,
-                renormalize=renormalize,
-                scoring_func=scoring,
-                params_dtype=dtype,
-            )
+        layers = [
+            cls(e, k, 64, 48, renormalize=r, scoring_func=s, params_dtype=dtype)
+            for e, k, s, r, dtype in cases
+        ]
+        # Rank 1 of 2 under expert parallelism: experts 4..7 of 8 (providers must honour
+        # ``expert_offset`` or decline it in ``supports``). Only forward_native and providers
+        # run on examples, never the layer's all-reduce: any object stands in for the
+        # communicator.
+        rank1 = TensorParallelGroup(rank=1, world_size=2, communicator=cast(Any, object()))
+        with set_tp_group(rank1):
+            layers.append(cls(8, 2, 64, 48, params_dtype=torch.float32, expert_parallel=True))
+        for layer in layers:
+            num_experts, dtype = layer.num_experts, layer.w13_weight.dtype
             for param in layer.parameters():
                 param.data.copy_(0.1 * torch.randn(param.shape, generator=generator))
             for num_tokens in (1, 9):
