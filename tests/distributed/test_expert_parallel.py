@@ -142,4 +142,4 @@ def test_the_layer_reads_the_flag_from_the_config_and_one_rank_changes_nothing()
         layer = FusedMoE(E, 2, H, INTER)
     assert (layer.num_local_experts, layer.expert_offset) == (E, 0)
     assert layer.w13_weight.shape == (E, 2 * INTER, H)
-    assert ENGINE_FLAGS["enable_expert_parallel"].default is False
+    assert ENGINE_FLAGS["enable_expert_parallel"].default is False  # --enable-expert-parallel
