@@ -12,6 +12,21 @@ TOKEN_PROMPTS = [
 ]
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
+SHARDED_SHAPES = dict(
+    num_attention_heads=4,
+    head_dim=32,
+    vocab_size=257,  # odd: the last rank's shard has a padding row
+    initializer_range=0.2,  # peaked logits: no greedy ties
+)
+"""The small random models' shapes (``save_tiny_model`` fields) that exercise the sharding."""
+MOE_CONFIGS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, mlp_only_layers=[0]
+    ),
+}
+"""Per MoE model type, its routing fields (4 experts, top-2; Qwen3-MoE's first layer dense)."""
+
 
 def small_llm(model: str, **kwargs) -> LLM:
     """An ``LLM`` of ``model`` in float32 with a small KV cache and context, and ``kwargs``."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from parallel_utils import MOE_CONFIGS, SHARDED_SHAPES
 
 from kiln import LLM, SamplingParams
 from kiln.config import KilnConfig, ModelConfig, ParallelConfig, SpeculativeConfig
@@ -26,13 +27,6 @@ TOKEN_PROMPTS = [
     {"prompt_token_ids": [3, 256, 7]},  # 256: a row of the last rank's vocabulary shard
     {"prompt_token_ids": [(11 * i) % 257 for i in range(1, 40)]},
 ]
-
-MOE_CONFIGS = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, mlp_only_layers=[0]
-    ),
-}
 
 
 def _greedy(model: str, tp: int, prompts: list, **kwargs) -> list[list[int]]:
@@ -100,13 +94,7 @@ EXTRA = {
 def test_tp2_greedy_tokens_equal_tp1_on_small_random_models(
     tmp_path, gguf_path, model_type, num_kv_heads
 ):
-    config = dict(
-        num_attention_heads=4,
-        num_key_value_heads=num_kv_heads,
-        head_dim=32,
-        vocab_size=257,  # odd: the last rank's shard has a padding row
-        initializer_range=0.2,  # peaked logits: no greedy ties
-    )
+    config = dict(SHARDED_SHAPES, num_key_value_heads=num_kv_heads)
     folder = save_tiny_model(
         tmp_path / model_type,
         model_type,

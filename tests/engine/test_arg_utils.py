@@ -92,8 +92,9 @@ def test_vllm_spellings_aliases_choices_and_converters() -> None:
     argv += ["40%", "--graph-capture-sizes", "1, 2,8", "--plugin-config", '{"x86": {"a": 1}}']
     argv += ["--distributed-executor-backend", "mp", "--max-num-seqs", "3", "--platform", "cpu"]
     argv += ["--structured-outputs-config", '{"disable_any_whitespace": true}']
-    argv += ["--scheduling-policy", "priority"]
+    argv += ["--scheduling-policy", "priority", "--enable-expert-parallel"]
     config = EngineArgs.from_cli_args(_parser().parse_args(argv)).create_config()
+    assert config.parallel.enable_expert_parallel is True
     assert config.structured_outputs.disable_any_whitespace is True
     assert config.scheduler.policy == "priority"
     assert (config.model.model, config.model.quantization) == ("m.gguf", "int8")

@@ -1,13 +1,18 @@
 """kiln-x86's ``fused_moe`` kernel against Kiln's reference (``forward_native``) and, in
 bfloat16, against a float64 computation: softmax and sigmoid routing, renormalization on and off,
 top-1 and top-2 of 8 experts, 1 to 32 tokens, an expert no token chose and one that every token
-chose; only the routed experts' weights are read; the routing (decode sizes to the kernel,
+chose; a rank's local experts under expert parallelism (tokens routed elsewhere contribute
+nothing, the other experts' weights are not held); only the routed experts' weights are read;
+the routing (decode sizes to the kernel,
 prefills to the reference); the kernel's dispatcher op in a trace."""
+
+from typing import Any, cast
 
 import pytest
 import torch
 from kiln_x86 import moe
 
+from kiln.distributed.parallel_state import TensorParallelGroup, set_tp_group
 from kiln.model_executor.layers.fused_moe import FusedMoE, fused_moe_reference
 
 pytestmark = pytest.mark.plugin
@@ -21,10 +26,25 @@ def kernels():
         pytest.fail("kiln-x86's MoE kernel could not be built here (see the log)")
 
 
-def make_layer(top_k, renormalize, scoring, dtype, seed=0) -> FusedMoE:
-    layer = FusedMoE(
-        E, top_k, H, INTER, renormalize=renormalize, scoring_func=scoring, params_dtype=dtype
+def make_layer(top_k, renormalize, scoring, dtype, seed=0, ep_rank=None) -> FusedMoE:
+    """A layer with random weights; with ``ep_rank``, that rank of two's under expert
+    parallelism (only construction: any object stands in for the communicator)."""
+    group = (
+        TensorParallelGroup()
+        if ep_rank is None
+        else TensorParallelGroup(rank=ep_rank, world_size=2, communicator=cast(Any, object()))
     )
+    with set_tp_group(group):
+        layer = FusedMoE(
+            E,
+            top_k,
+            H,
+            INTER,
+            renormalize=renormalize,
+            scoring_func=scoring,
+            params_dtype=dtype,
+            expert_parallel=ep_rank is not None,
+        )
     g = torch.Generator().manual_seed(seed)
     for param in layer.parameters():
         param.data.copy_((torch.randn(param.shape, generator=g) / H**0.5).to(dtype))
@@ -69,6 +89,19 @@ def test_bfloat16_kernel_is_as_close_to_float64_as_the_reference(num_tokens):
     kernel_error = (got.double() - exact).abs().max()
     assert kernel_error <= reference_error
     torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_ranks_local_experts_match_the_reference(ep_rank, dtype):
+    layer = make_layer(2, True, "softmax", dtype, ep_rank=ep_rank)
+    assert (layer.w13_weight.shape[0], layer.expert_offset) == (E // 2, E // 2 * ep_rank)
+    x, logits = inputs(16, dtype)
+    got, want = moe.fused_moe(layer, x, logits), layer.forward_native(x, logits)
+    # bfloat16: the reference rounds each matmul, the kernel not (see the float64 test).
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tolerance)
+    assert (got == 0).all(dim=-1).any()  # a token whose experts are both the other rank's
 
 
 def test_only_the_routed_experts_weights_are_read():

@@ -19,6 +19,11 @@ class ParallelConfig:
     pipeline_parallel_size: int = field(default=1, metadata={"aliases": ("-pp",)})
     """Stages one copy of the model's layers is split over, one rank each, run in turn (the
     first embeds, the last samples); each stage is split over ``tensor_parallel_size`` ranks."""
+    enable_expert_parallel: bool = False
+    """Split each MoE layer's routed experts over the ``tensor_parallel_size`` ranks, whole
+    (rank r holds experts ``[r * E / N, (r + 1) * E / N)``) instead of slicing every expert's
+    intermediate size; the router and attention stay as under tensor parallelism. The number of
+    experts must be divisible by ``tensor_parallel_size``; with one rank it changes nothing."""
     ray_address: str | None = None
     """The Ray cluster of the ray backend (its head's host:port, or "auto"); None: the
     ``RAY_ADDRESS`` environment variable, else a local cluster Kiln starts and stops."""

@@ -212,9 +212,10 @@ API: dict[str, dict[str, ApiName]] = {
         "LoRAApply": ApiName("kiln.model_executor.layers.lora", "op `lora_apply`"),
         "FusedMoE": ApiName(
             "kiln.model_executor.layers.fused_moe",
-            "op `fused_moe`: the routed experts of an MoE layer (`w13_weight [E, 2I, H]`, "
-            "`w2_weight [E, H, I]`, `top_k`, `renormalize`, `scoring_func`); the layer "
-            "all-reduces the op's result over tensor-parallel ranks and adds shared experts",
+            "op `fused_moe`: the routed experts of an MoE layer (this rank's `w13_weight "
+            "[L, 2I, H]`, `w2_weight [L, H, I]` from expert `expert_offset`, `top_k`, "
+            "`renormalize`, `scoring_func`); the layer all-reduces the op's result over "
+            "tensor-parallel ranks and adds shared experts",
         ),
         "select_experts": ApiName(
             "kiln.model_executor.layers.fused_moe",

@@ -8,11 +8,13 @@ kernel groups the (token, expert) pairs by expert and runs every routed expert's
 parallel loop. Larger batches (prefills) run the reference, whose per-expert matmuls are blocked.
 
 Contract: ``fused_moe(op, hidden_states [T, H], router_logits [T, E])`` returns what the op's
-``forward_native`` returns: float32 to float32 precision (its sums run in another order), and in
-bfloat16 closer to the float64 result than the reference, which rounds each matmul and the
-activation to bfloat16 where the kernel keeps float32 to the end. Routing ties go to the lower
-expert index. In a graph being captured the kernel is ``torch.ops.kiln_x86_moe.fused_moe`` (with
-a fake implementation for ``torch.compile``).
+``forward_native`` returns, a rank's local experts included (expert parallelism: the kernel
+routes over all E experts and computes only the ``L`` that ``op.w13_weight`` [L, 2I, H] holds,
+from expert ``op.expert_offset``): float32 to float32 precision (its sums run in another
+order), and in bfloat16 closer to the float64 result than the reference, which rounds each
+matmul and the activation to bfloat16 where the kernel keeps float32 to the end. Routing ties
+go to the lower expert index. In a graph being captured the kernel is
+``torch.ops.kiln_x86_moe.fused_moe`` (with a fake implementation for ``torch.compile``).
 
 ``register_x86_moe()`` registers it under provider ``kiln_x86`` for float32 and bfloat16 CPU
 tensors of one dtype (the conformance kit compares it with ``forward_native``); where the
@@ -68,6 +70,7 @@ def fused_moe(op: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor)
         op.top_k,
         op.renormalize,
         op.scoring_func,
+        op.expert_offset,
     )
     if is_capturing():
         return torch.ops.kiln_x86_moe.fused_moe(*args)
@@ -75,7 +78,9 @@ def fused_moe(op: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor)
 
 
 def _register_fake() -> None:
-    def fused_moe_fake(hidden_states, router_logits, w13, w2, top_k, renormalize, scoring_func):
+    def fused_moe_fake(
+        hidden_states, router_logits, w13, w2, top_k, renormalize, scoring_func, expert_offset=0
+    ):
         return torch.empty_like(hidden_states)
 
     try:

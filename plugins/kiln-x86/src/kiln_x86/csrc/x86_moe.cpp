@@ -1,11 +1,14 @@
 // kiln-x86 mixture-of-experts kernel: the `fused_moe` op (kiln.model_executor.layers.fused_moe)
 // for decode-sized batches, routing included, in one call.
 //
-// For hidden [T, H], router logits [T, E], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]:
+// For hidden [T, H], router logits [T, E], the local experts' w13 [L, 2I, H] (gate rows, then up
+// rows) and w2 [L, H, I], w13[i] being expert expert_offset + i (L = E, offset 0 without expert
+// parallelism):
 //   scores   = softmax(logits) or sigmoid(logits), float32; each token's top_k experts (highest
 //              score first; on equal scores the lower index), weights renormalized if asked;
 //   act[p]   = silu(w13[e, :I] . x_t) * (w13[e, I:] . x_t)   for each routed pair p = (t, e)
-//   out[t]   = sum_k weight[t, k] * (w2[e_k] . act[p_k])      float32 sums, rounded once.
+//   out[t]   = sum_k weight[t, k] * (w2[e_k] . act[p_k])      float32 sums, rounded once,
+//              over the slots k whose expert is local (the others' pairs are never computed).
 // Only the routed experts' rows are read: the pairs are grouped by expert, and each work item
 // (an expert's block of rows) reads its rows once for all of that expert's tokens. Work items of
 // every routed expert run in one parallel loop, so one token's two experts share the cores.
@@ -77,16 +80,22 @@ Routing route(const at::Tensor& logits, int64_t top_k, bool renormalize, bool so
 
 template <typename T>
 at::Tensor fused_moe_impl(const at::Tensor& hidden, const Routing& r, const at::Tensor& w13,
-                          const at::Tensor& w2, int64_t top_k) {
+                          const at::Tensor& w2, int64_t top_k, int64_t expert_offset) {
   const int64_t num_tokens = hidden.size(0), h = hidden.size(1);
   const int64_t num_experts = w13.size(0), inter = w2.size(2);
   const int64_t num_pairs = num_tokens * top_k;
+  // Each pair's local expert, or num_experts (a bucket never computed) for another rank's.
+  std::vector<int64_t> local(num_pairs);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const int64_t e = r.ids[p] - expert_offset;
+    local[p] = (0 <= e && e < num_experts) ? e : num_experts;
+  }
   // The pairs grouped by expert (counting sort, stable): pair_order[start[e] .. start[e + 1]).
-  std::vector<int64_t> start(num_experts + 1, 0), pair_order(num_pairs);
-  for (int64_t p = 0; p < num_pairs; ++p) ++start[r.ids[p] + 1];
-  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> start(num_experts + 2, 0), pair_order(num_pairs);
+  for (int64_t p = 0; p < num_pairs; ++p) ++start[local[p] + 1];
+  for (int64_t e = 0; e <= num_experts; ++e) start[e + 1] += start[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t p = 0; p < num_pairs; ++p) pair_order[fill[r.ids[p]]++] = p;
+  for (int64_t p = 0; p < num_pairs; ++p) pair_order[fill[local[p]]++] = p;
   // Work items: (expert, first row) over the routed experts only.
   std::vector<std::pair<int64_t, int64_t>> up_items, down_items;
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -135,6 +144,7 @@ at::Tensor fused_moe_impl(const at::Tensor& hidden, const Routing& r, const at::
     for (int64_t i = 0; i < h; ++i) {
       float sum = 0.f;
       for (int64_t k = 0; k < top_k; ++k) {
+        if (local[t * top_k + k] == num_experts) continue;  // another rank's expert
         sum += r.weights[t * top_k + k] * y[(t * top_k + k) * h + i];
       }
       op[t * h + i] = round_to<T>(sum);
@@ -146,25 +156,29 @@ at::Tensor fused_moe_impl(const at::Tensor& hidden, const Routing& r, const at::
 // See the file comment: [T, H] hidden states, [T, E] router logits -> [T, H].
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
                      const at::Tensor& w13, const at::Tensor& w2, int64_t top_k,
-                     bool renormalize, std::string scoring_func) {
+                     bool renormalize, std::string scoring_func, int64_t expert_offset) {
   TORCH_CHECK(hidden.dim() == 2 && router_logits.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
-              "fused_moe: hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I]");
+              "fused_moe: hidden [T, H], router_logits [T, E], w13 [L, 2I, H], w2 [L, H, I]");
   TORCH_CHECK(hidden.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(),
               "fused_moe: contiguous hidden states and weights only");
   TORCH_CHECK(hidden.scalar_type() == w13.scalar_type() && w2.scalar_type() == w13.scalar_type(),
               "fused_moe: one dtype for the hidden states and the weights");
   const int64_t num_experts = w13.size(0), h = hidden.size(1), inter = w2.size(2);
-  TORCH_CHECK(router_logits.size(0) == hidden.size(0) && router_logits.size(1) == num_experts &&
+  const int64_t num_global = router_logits.size(1);
+  TORCH_CHECK(router_logits.size(0) == hidden.size(0) && 0 <= expert_offset &&
+                  expert_offset + num_experts <= num_global &&
                   w13.size(1) == 2 * inter && w13.size(2) == h && w2.size(0) == num_experts &&
                   w2.size(1) == h,
               "fused_moe: shapes do not match");
-  TORCH_CHECK(1 <= top_k && top_k <= num_experts, "fused_moe: top_k outside 1 .. E");
+  TORCH_CHECK(1 <= top_k && top_k <= num_global, "fused_moe: top_k outside 1 .. E");
   TORCH_CHECK(scoring_func == "softmax" || scoring_func == "sigmoid",
               "fused_moe: scoring_func must be softmax or sigmoid");
   const Routing r = route(router_logits, top_k, renormalize, scoring_func == "softmax");
-  if (hidden.scalar_type() == at::kFloat) return fused_moe_impl<float>(hidden, r, w13, w2, top_k);
+  if (hidden.scalar_type() == at::kFloat) {
+    return fused_moe_impl<float>(hidden, r, w13, w2, top_k, expert_offset);
+  }
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "fused_moe: float32 or bfloat16 only");
-  return fused_moe_impl<c10::BFloat16>(hidden, r, w13, w2, top_k);
+  return fused_moe_impl<c10::BFloat16>(hidden, r, w13, w2, top_k, expert_offset);
 }
 
 }  // namespace
@@ -172,7 +186,7 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
 TORCH_LIBRARY(kiln_x86_moe, m) {
   m.def(
       "fused_moe(Tensor hidden_states, Tensor router_logits, Tensor w13, Tensor w2, int top_k, "
-      "bool renormalize, str scoring_func) -> Tensor");
+      "bool renormalize, str scoring_func, int expert_offset=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_x86_moe, CPU, m) { m.impl("fused_moe", &fused_moe); }
