@@ -15,7 +15,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import StructuredOutputsParams
-from kiln.scheduler import scheduler
+from kiln.scheduler import grammar_waitlist
 from kiln.spec_decode.interface import RejectionOutput
 from kiln.spec_decode.rejection_sampler import RejectionSampler
 from kiln.testing.models import save_tiny_model
@@ -117,14 +117,14 @@ def record_draft_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]
     """A list that gets ``(proposed, kept)`` for every check of a structured request's drafts
     against its grammar (the offline ``LLM`` runs its engine core in this process)."""
     checks: list[tuple[int, int]] = []
-    valid_drafts = scheduler.valid_drafts
+    valid_drafts = grammar_waitlist.valid_drafts
 
     def recording(matcher, drafts: list[int]) -> list[int]:
         kept = valid_drafts(matcher, drafts)
         checks.append((len(drafts), len(kept)))
         return kept
 
-    monkeypatch.setattr(scheduler, "valid_drafts", recording)
+    monkeypatch.setattr(grammar_waitlist, "valid_drafts", recording)
     return checks
 
 
