@@ -104,6 +104,15 @@ _MODULE_COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Each subcommand's one-line help (the top-level ``kiln --help`` list).
+_BRIEF = {
+    "plugin": "tools for plugin authors",
+    "serve": "serve a model with an OpenAI-compatible API",
+    "bench": "benchmark a running server",
+    **{name: brief for name, (_, brief, _) in _MODULE_COMMANDS.items()},
+}
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``kiln`` parser. With ``command`` (a subcommand's name), only that subcommand gets its
     flags and the others are bare names: building the serve, proxy and bench flags imports the
@@ -132,9 +141,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "serve": _add_serve_parser,
         "bench": _add_bench_parser,
     }
-    for name in ("plugin", "serve", "bench", *_MODULE_COMMANDS):
+    for name in (*builders, *_MODULE_COMMANDS):
         if command not in (None, name):
-            sub.add_parser(name, help=_BRIEF.get(name) or _MODULE_COMMANDS[name][1])
+            sub.add_parser(name, help=_BRIEF[name])
         elif name in builders:
             builders[name](sub)
         else:
@@ -143,13 +152,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 sub, name, importlib.import_module(module), help=brief, description=description
             )
     return parser
-
-
-_BRIEF = {
-    "plugin": "tools for plugin authors",
-    "serve": "serve a model with an OpenAI-compatible API",
-    "bench": "benchmark a running server",
-}
 
 
 def _add_plugin_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,13 +1,13 @@
 """A GGUF file's metadata and tensor table, parsed in one pass over a memory map.
 
 Contract: ``GGUFFile(path)`` presents what ``gguf.GGUFReader`` presents, as far as Kiln reads it:
-``fields`` maps each metadata key, in file order, to a ``Field`` (not the reader's ``GGUF.*``
-entries for the header's counts) whose ``contents()`` equals the
+``fields`` maps each metadata key, in file order, to a ``Field`` whose ``contents()`` equals the
 reader's (a Python scalar, a ``str``, or a list for arrays) and whose ``types`` are the reader's
-value types (``[ARRAY, item type]`` for an array); ``tensors`` lists ``Tensor`` entries in file
-order with the reader's ``name``, ``tensor_type``, ``shape`` (GGUF dimension order, innermost first)
-and ``data`` (a read-only view of the map: float and integer types as their numpy dtype in torch
-dimension order, every other type as ``uint8`` rows of whole blocks).
+value types (``[ARRAY, item type]`` for an array); the reader's ``GGUF.*`` entries for the
+header's counts are not fields. ``tensors`` lists ``Tensor`` entries in file order with the
+reader's ``name``, ``tensor_type``, ``shape`` (GGUF dimension order, innermost first) and ``data``
+(a read-only view of the map: float and integer types as their numpy dtype in torch dimension
+order, every other type as ``uint8`` rows of whole blocks).
 
 Why not ``GGUFReader``: it builds numpy views for every part of every field, and SmolLM2's
 vocabulary and merges are ~100k strings: 0.8 s per parse, paid by each process that opens the
