@@ -30,23 +30,40 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from kiln.testing import forkserver
 
 
 def run_python(
     args: list[str], env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` in a fresh process with ``env`` added to this one's environment."""
+    """Run ``python ARGS`` in a fresh process with ``env`` added to this one's environment:
+    forked from a process that has imported torch and nothing of Kiln when that changes nothing
+    the command could see (``kiln.testing.forkserver``), else started the ordinary way.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout`` seconds (it is killed).
+    """
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = forkserver.popen(args, full_env, out, err)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            [sys.executable, *args],
+            proc.wait(),
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+        )
 
 
 def plugin_report(

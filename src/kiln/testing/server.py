@@ -12,13 +12,14 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import httpx
+
+from kiln.testing import forkserver
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
@@ -111,14 +112,14 @@ class KilnServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kiln-serve-", suffix=".log")
-        command = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *args]
+        command = ["-m", "kiln.entrypoints.cli", "serve", *args]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         env = dict(os.environ)
         if detect_platform:
             env.pop("KILN_PLATFORM", None)
-        self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
+        # Forked from a process that imported torch where nothing it reads differs (see
+        # kiln.testing.forkserver); in its own session either way.
+        self.proc = forkserver.popen(command, env, self.log, self.log, new_session=True)
         try:
             self._wait_healthy(start_timeout)
         except BaseException:
