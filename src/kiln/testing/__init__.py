@@ -20,7 +20,9 @@ A platform plugin runs the kit from its own test suite::
     #     return LogitsTolerance(min_top1_agreement=0.98, max_logprob_diff=0.2)
 
 Every check runs in a fresh Python process, the way Kiln's engine processes start: entry points
-load and the platform is selected there, not in the pytest process.
+load and the platform is selected there, not in the pytest process. The process is forked from
+one that has imported torch and nothing of Kiln (``kiln.testing.forkserver``), unless the check's
+environment changes what interpreter start or ``import torch`` reads.
 """
 
 from __future__ import annotations

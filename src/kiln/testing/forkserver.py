@@ -163,7 +163,7 @@ class ForkServer:
 
     def accepts(self, args: Sequence[str], env: dict[str, str]) -> bool:
         """Whether ``python ARGS`` in ``env`` may be forked from the server (see the module)."""
-        if os.environ.get(DISABLE_ENV, "1") == "0" or not _forkable(args):
+        if env.get(DISABLE_ENV) == "0" or not _forkable(args):
             return False
         reference = self._env if self._owner == os.getpid() else os.environ
         return _startup_env(env) == _startup_env(dict(reference))
