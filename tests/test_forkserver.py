@@ -144,9 +144,17 @@ def test_the_server_is_this_processs_own() -> None:
         "if os.fork() == 0:\n"
         "    os._exit(0 if run_python(['-c', 'print(2)']).stdout == '2\\n' else 3)\n"
         "print(os.waitstatus_to_exitcode(os.wait()[1]))\n"
+        "from kiln.testing.forkserver import FORK_SERVER\n"
+        "print(os.path.dirname(FORK_SERVER._address))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "0\n"
+    status, directory = proc.stdout.splitlines()
+    assert status == "0"
+    # Its server exits with it and removes its socket's directory.
+    deadline = time.monotonic() + 10
+    while os.path.exists(directory) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(directory)

@@ -240,7 +240,10 @@ def _serve(address: str, preload: list[str]) -> dict[str, Any]:
     open_conns: set[socket.socket] = set()
     while True:
         ready, _, _ = select.select([listener, sys.stdin], [], [])
-        if sys.stdin in ready:
+        if sys.stdin in ready:  # the process that started it exited
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+                os.rmdir(os.path.dirname(address))
             os._exit(0)
         conn, _ = listener.accept()
         header, fds, _, _ = socket.recv_fds(conn, 8, 2)
