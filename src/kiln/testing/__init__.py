@@ -53,7 +53,7 @@ def run_python(
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = forkserver.popen(args, full_env, out, err)
         try:
-            proc.wait(timeout)
+            returncode = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -62,7 +62,7 @@ def run_python(
         err.seek(0)
         return subprocess.CompletedProcess(
             [sys.executable, *args],
-            proc.wait(),
+            returncode,
             out.read().decode(errors="replace"),
             err.read().decode(errors="replace"),
         )

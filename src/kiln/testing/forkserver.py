@@ -246,25 +246,35 @@ def _serve(address: str, preload: list[str]) -> dict[str, Any]:
                 os.rmdir(os.path.dirname(address))
             os._exit(0)
         conn, _ = listener.accept()
-        header, fds, _, _ = socket.recv_fds(conn, 8, 2)
-        (size,) = struct.unpack("!q", header[:8])
-        body = header[8:]
-        while len(body) < size:
-            body += conn.recv(size - len(body))
-        request = json.loads(body)
+        request = _read_request(conn)
+        if request is None:  # the client went away mid-request
+            conn.close()
+            continue
         pid = os.fork()
         if pid == 0:
             listener.close()
             for other in open_conns:
                 other.close()
             conn.close()
-            request["fds"] = fds
             return request
-        for fd in fds:
+        for fd in request["fds"]:
             os.close(fd)
         conn.sendall(_STATUS.pack(pid, -1))
         open_conns.add(conn)
         threading.Thread(target=_report_exit, args=(conn, pid, open_conns), daemon=True).start()
+
+
+def _read_request(conn: socket.socket) -> dict[str, Any] | None:
+    """A request's JSON (length-prefixed) with the descriptors that came with it as ``fds``;
+    None when the client closed the connection first."""
+    start, fds, _, _ = socket.recv_fds(conn, 8, 2)
+    rest = _recv_exactly(conn, 8 - len(start))
+    body = None if rest is None else _recv_exactly(conn, struct.unpack("!q", start + rest)[0])
+    if body is None:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return {**json.loads(body), "fds": fds}
 
 
 def _report_exit(conn: socket.socket, pid: int, open_conns: set[socket.socket]) -> None:
