@@ -59,9 +59,9 @@ from kiln.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from kiln.entrypoints.openai.responses_store import ResponseStore
+from kiln.entrypoints.openai.server_state import ServerOptions, ServerState
 from kiln.entrypoints.openai.serving_chat import OpenAIServingChat
 from kiln.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kiln.entrypoints.openai.serving_engine import ServerOptions, ServerState
 from kiln.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
     OpenAIServingModels,

@@ -24,7 +24,8 @@ from kiln.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     TokenizeRequest,
 )
-from kiln.entrypoints.openai.serving_engine import OpenAIServing, ServerState
+from kiln.entrypoints.openai.server_state import ServerState
+from kiln.entrypoints.openai.serving_engine import OpenAIServing
 from kiln.lora.request import LoRARequest
 
 
