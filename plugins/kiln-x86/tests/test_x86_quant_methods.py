@@ -20,8 +20,13 @@ import sys
 
 import pytest
 import torch
-from kiln_x86 import quant
-from kiln_x86.linear_methods import X86GGUFLinearMethod, X86Int4LinearMethod, X86Int8LinearMethod
+from kiln_x86 import gemv, quant
+from kiln_x86.linear_methods import (
+    X86GGUFLinearMethod,
+    X86Int4LinearMethod,
+    X86Int8ActivationsLinearMethod,
+    X86Int8LinearMethod,
+)
 from kiln_x86.platform import X86Platform
 
 from kiln.model_executor.layers.linear import LinearBase
@@ -84,7 +89,10 @@ def tiny_llama(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     ("reference_config", "method_cls"),
-    [(Int8QuantConfig(), X86Int8LinearMethod), (Int4QuantConfig(), X86Int4LinearMethod)],
+    [
+        (Int8QuantConfig(), X86Int8ActivationsLinearMethod),
+        (Int4QuantConfig(), X86Int4LinearMethod),
+    ],
     ids=["int8", "int4"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,6 +106,11 @@ def test_int_methods_agree_with_the_reference(
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     layers = [(n, m) for n, m in x86.named_modules() if isinstance(m, LinearBase)]
     assert layers and all(type(m.quant_method) is method_cls for _, m in layers)
+    # int8 activations: bfloat16 layers hold only the tiled int8 weight where the kernel runs;
+    # float32 ones (token-for-token comparisons) keep the exact kernel.
+    tiled = method_cls is X86Int8ActivationsLinearMethod and dtype == torch.bfloat16
+    tiled = tiled and gemv.available()
+    assert all(("x86_tiled" in m.__dict__) == tiled for _, m in layers)
     for name, layer in layers:
         for num_tokens in (1, 7):
             x = torch.randn(num_tokens, layer.input_size, generator=gen).to(dtype)
@@ -210,3 +223,17 @@ def test_llm_quantization_flag_on_a_float_model(tiny_llama, gguf_path, method) -
     dense, quantized = torch.tensor(result["none"]), torch.tensor(result[method])
     error = (quantized - dense).abs().max().item()
     assert 0 < error < (0.05 if method == "int8" else 0.5), error
+
+
+@pytest.mark.parametrize(
+    ("int8_activations", "method_cls"),
+    [(True, X86Int8ActivationsLinearMethod), (False, X86Int8LinearMethod)],
+)
+def test_int8_activations_choose_the_int8_method(monkeypatch, int8_activations, method_cls):
+    from kiln_x86.options import X86Options
+
+    from kiln.config import KilnConfig
+
+    options = X86Options(int8_activations=int8_activations)
+    monkeypatch.setattr(X86Platform, "options", classmethod(lambda cls, config: options))
+    assert X86Platform.get_quant_config("int8", KilnConfig()).method_cls is method_cls

@@ -7,7 +7,10 @@
   (``pack``) and multiplies with its weight-only kernels (``matmul``, ``embedding``). Block
   formats the kernels lack fall back to Kiln's reference (dequantize per call).
 - "int8": ``X86Int8LinearMethod``, torch's weight-only int8 CPU kernel
-  (``aten._weight_int8pack_mm``) on Kiln's per-channel int8 weights.
+  (``aten._weight_int8pack_mm``) on Kiln's per-channel int8 weights; with the x86 section's
+  ``int8_activations`` (the default), ``X86Int8ActivationsLinearMethod``: bfloat16 layers' weights
+  kept only in ``kiln_x86.gemv``'s tiled layout (as Q8_0 blocks: the channel's scale in every
+  block) and multiplied by its int8 kernels, activations rounded to int8 per block of 32.
 - "int4": ``X86Int4LinearMethod``, torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``)
   on Kiln's group-wise int4 weights, repacked once into its layout.
 """
@@ -91,6 +94,43 @@ class X86Int8LinearMethod(Int8LinearMethod):
         scales = layer.scales if layer.scales.dtype == x.dtype else layer.scales.to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, scales)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+
+class X86Int8ActivationsLinearMethod(X86Int8LinearMethod):
+    """int8 per output channel with the activations rounded to int8 (the x86 section's
+    ``int8_activations``): a bfloat16 layer's weights go into ``kiln_x86.gemv``'s tiled layout as
+    Q8_0 blocks (``u = q + 128``, the channel's scale in each block of 32) and every matmul runs
+    its int8 kernels (VNNI or AVX2; AMX for prefill where present), whatever its row count, with
+    the same result per row; the layer then holds only the tiled copy and gets ``kiln_x86.ops``'
+    direct ``linear`` call. Not exact (as the GGUF path's int8 activations). float32 layers (the
+    mode for comparing token for token), CPUs without the kernel, input sizes not a multiple of
+    32 and scales outside float16's normal range (where a Q8_0 scale would lose bits) keep the
+    exact method."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = cast(torch.Tensor, layer.weight).dtype
+        super().process_weights_after_loading(layer)
+        qweight, scales = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales)
+        if dtype != torch.bfloat16 or qweight.shape[1] % gemv.BLOCK or not gemv.available():
+            return
+        scales32 = scales.float()
+        if not bool(((scales32 >= 2.0**-14) & (scales32 <= 65504.0)).all()):
+            return
+        u = (qweight.to(torch.int16) + 128).to(torch.uint8).numpy()
+        per_block = scales32.numpy()[:, None].repeat(qweight.shape[1] // gemv.BLOCK, axis=1)
+        tiled = gemv.pack(u, per_block, None, gemv.Q.Q8_0)
+        del layer.qweight, layer.scales
+        # Not a tensor or module, which is all nn.Module's attribute typing allows.
+        layer.x86_tiled = tiled  # type: ignore[assignment]
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        tiled = layer.__dict__.get("x86_tiled")
+        if tiled is None:
+            return super().apply(layer, x, bias)
+        out = quant.matmul(x, tiled)
         return out if bias is None else out + bias
 
 

@@ -132,6 +132,7 @@ class X86Platform(CpuPlatform):
             X86GGUFInt8ActivationsLinearMethod,
             X86GGUFLinearMethod,
             X86Int4LinearMethod,
+            X86Int8ActivationsLinearMethod,
             X86Int8LinearMethod,
         )
 
@@ -143,6 +144,8 @@ class X86Platform(CpuPlatform):
                 return GGUFQuantConfig(X86GGUFInt8ActivationsLinearMethod)
             return GGUFQuantConfig(X86GGUFLinearMethod)
         if method == "int8":
+            if options.int8_activations:
+                return Int8QuantConfig(X86Int8ActivationsLinearMethod)
             return Int8QuantConfig(X86Int8LinearMethod)
         return Int4QuantConfig(X86Int4LinearMethod)
 
