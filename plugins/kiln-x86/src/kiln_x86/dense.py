@@ -13,8 +13,8 @@ float32, times its scale):
   (row, channel) result is one float32 sum over the inputs in order, plus the bias, rounded once,
   so a row's result does not depend on the call's other rows or on the threads (a prefix-cache
   hit's short prefill and the whole prompt agree bit for bit). Measured on an AMD EPYC with
-  AVX512-BF16, 2 cores, against oneDNN on the same cores: 1.2-2.4x at 1 row, 1.1-1.5x at 16,
-  equal from 512 (docs/x86/results.md, "Dense bfloat16 kernel");
+  AVX512-BF16, 2 cores, against oneDNN on the same 2 cores: 1.2-3.0x at 1 row, 1.1-1.6x at 16,
+  within 3% from 512 (docs/x86/results.md, "Dense bfloat16 kernel");
 - elsewhere (no AVX512-BF16, an odd input size) ``torch.ops.mkldnn._linear_pointwise`` on the
   weight reordered once into oneDNN's blocked layout. Where oneDNN has no bfloat16 nothing is
   registered.
