@@ -129,3 +129,15 @@ def test_dense_linear_leaves_float32_and_batch_invariant_layers(layer):
     invariant = ReplicatedLinear(192, 320, params_dtype=torch.bfloat16)
     invariant.batch_invariant = True  # what batch-invariant mode sets on every linear
     assert not dense._linear_supports(invariant, x32.bfloat16())
+
+
+def test_amx_cpus_keep_onednn(monkeypatch):
+    # oneDNN multiplies with AMX tiles there; the kernel was not measured against it.
+    monkeypatch.setattr(dense, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    dense._kernel.cache_clear()
+    try:
+        assert not dense.kernel_available()
+    finally:
+        monkeypatch.undo()
+        dense._kernel.cache_clear()
+    assert dense.kernel_available() == hasattr(dense.load_dense_kernels(), "linear")

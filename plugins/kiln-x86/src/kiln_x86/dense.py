@@ -7,15 +7,16 @@ an LM head without a quantized method), not batch-invariant, and 2-d bfloat16 CP
 ``[T, in] -> [T, out]``, ``x @ weight.T + bias`` (the head's then cut to the vocabulary, in
 float32, times its scale):
 
-- where the CPU has AVX512-BF16 and the kernel builds (``csrc/x86_dense.cpp``), its product on
-  the weight packed once into tiles of 16 output channels (``tiled_weight``), for every row
-  count, on the work pool (the model's thread and its helpers, ``x86.helper_threads``): each
-  (row, channel) result is one float32 sum over the inputs in order, plus the bias, rounded once,
-  so a row's result does not depend on the call's other rows or on the threads (a prefix-cache
-  hit's short prefill and the whole prompt agree bit for bit). Measured on an AMD EPYC with
-  AVX512-BF16, 2 cores, against oneDNN on the same 2 cores: 1.2-3.0x at 1 row, 1.1-1.6x at 16,
-  within 3% from 512 (docs/x86/results.md, "Dense bfloat16 kernel");
-- elsewhere (no AVX512-BF16, an odd input size) ``torch.ops.mkldnn._linear_pointwise`` on the
+- where the CPU has AVX512-BF16 but no AMX and the kernel builds (``csrc/x86_dense.cpp``), its
+  product on the weight packed once into tiles of 16 output channels (``tiled_weight``), for
+  every row count, on the work pool (the model's thread and its helpers,
+  ``x86.helper_threads``): each (row, channel) result is one float32 sum over the inputs in
+  order, plus the bias, rounded once, so a row's result does not depend on the call's other
+  rows or on the threads (a prefix-cache hit's short prefill and the whole prompt agree bit for
+  bit). Measured on an AMD EPYC with AVX512-BF16, 2 cores, against oneDNN on the same 2 cores:
+  1.2-3.0x at 1 row, 1.1-1.6x at 16, within 3% from 512 (docs/x86/results.md, "Dense bfloat16
+  kernel");
+- elsewhere (no AVX512-BF16, AMX, an odd input size) ``torch.ops.mkldnn._linear_pointwise`` on the
   weight reordered once into oneDNN's blocked layout. Where oneDNN has no bfloat16 nothing is
   registered.
 
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kiln.plugin_api import UnquantizedLinearMethod, register_impl
+from kiln.plugin_api import UnquantizedLinearMethod, cpu_flags, register_impl
 from kiln_x86 import kernels
 
 SOURCE = Path(__file__).parent / "csrc" / "x86_dense.cpp"
@@ -67,7 +68,11 @@ def load_dense_kernels() -> Any:
 @functools.cache
 def _kernel() -> Any:
     """The kernel as a dispatcher op (``torch.ops.kiln_x86_dense_bf16.linear``, which a trace
-    records), or None; looked up once: every dense call asks."""
+    records), or None; looked up once: every dense call asks. None where the CPU has AMX-BF16:
+    oneDNN multiplies with AMX tiles there, far above this kernel's AVX512-BF16 rate in prefill,
+    and the kernel has not been measured against it."""
+    if "amx_bf16" in cpu_flags():
+        return None
     ext = load_dense_kernels()
     return torch.ops.kiln_x86_dense_bf16.linear if hasattr(ext, "linear") else None
 
