@@ -38,7 +38,7 @@ def prompt_of(topic: str) -> str:
     )
 
 
-TOPICS = ("potter's", "gone", "corrupt", "truncate", "stall")
+TOPICS = ("potter's", "gone", "corrupt", "truncate", "stall", "streamed")
 PROMPT = prompt_of("potter's")
 MESSAGES = [{"role": "user", "content": "Describe a kiln. " + PROMPT}]
 
@@ -191,6 +191,47 @@ def test_1p1d_through_the_proxy_gives_the_tokens_of_one_instance(cluster, refere
     )
     assert chat.choices[0].message.content == reference["chat"]
     assert counter(cluster["prefill"], "saved_blocks") >= counter(decode, "loaded_blocks")
+    assert_idle(cluster["prefill"])
+    assert_idle(decode)
+
+
+def test_a_streamed_prefill_carries_kv_transfer_params_on_its_last_chunk(cluster, reference):
+    prefill, decode = client(cluster["prefill"].url), cluster["decode"]
+    remote = {"kv_transfer_params": {"do_remote_decode": True}}
+    prompt = prompt_of("streamed")
+    chunks = list(
+        prefill.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1, stream=True,
+            extra_body=remote,
+        )
+    )  # fmt: skip
+    carried = [c.model_extra.get("kv_transfer_params") for c in chunks]
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert all(p is None for p in carried[:-1]) and carried[-1], carried
+    before = counter(decode, "loaded_blocks")
+    answer = complete(decode.url, prompt, extra_body={"kv_transfer_params": carried[-1]})
+    assert answer.choices[0].text == reference[prompt]
+    assert counter(decode, "loaded_blocks") > before
+
+    messages = [{"role": "user", "content": "Summarize. " + prompt_of("streamed chat")}]
+    plain = prefill.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=10, temperature=0
+    )
+    chat_chunks = list(
+        prefill.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=1, stream=True,
+            extra_body=remote,
+        )
+    )  # fmt: skip
+    params = [c.model_extra.get("kv_transfer_params") for c in chat_chunks if c.choices]
+    assert all(p is None for p in params[:-1]) and params[-1], params
+    before = counter(decode, "loaded_blocks")
+    chat = client(decode.url).chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=10, temperature=0,
+        extra_body={"kv_transfer_params": params[-1]},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    assert counter(decode, "loaded_blocks") > before
     assert_idle(cluster["prefill"])
     assert_idle(decode)
 

@@ -254,7 +254,11 @@ class ChatRun:
             yield chunk({"index": i, "delta": role, "logprobs": None, "finish_reason": None})
         async for _, output in outputs:
             for choice in self._take(output):
-                yield chunk(choice)
+                data = chunk(choice)
+                # The connector's answer rides on the choice's last chunk, as on the response.
+                if choice.get("finish_reason") is not None and output.kv_transfer_params:
+                    data["kv_transfer_params"] = output.kv_transfer_params
+                yield data
         if include_usage:
             yield {**self._chunk([]), "usage": self._usage()}
 

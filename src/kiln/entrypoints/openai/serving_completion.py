@@ -12,7 +12,8 @@ Response (non-streaming)::
 ``index`` is ``prompt_index * n + completion_index``. Streaming sends ``text_completion`` chunks
 with the same fields (``text`` is the new text), one ``finish_reason`` per choice, with
 ``stream_options.include_usage`` a last chunk with ``choices: []`` and ``usage``, then
-``data: [DONE]``.
+``data: [DONE]``. A KV connector's ``kv_transfer_params`` (``collect``: on the response) ride
+on each choice's last chunk, the one with its ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -257,6 +258,9 @@ class _Run:
                 chunk = self._envelope([data])
                 if include_usage:
                     chunk["usage"] = self._usage() if continuous else None
+                # The connector's answer rides on the choice's last chunk, as on the response.
+                if finish_reason is not None and output.kv_transfer_params:
+                    chunk["kv_transfer_params"] = output.kv_transfer_params
                 yield sse(chunk)
         if include_usage:
             yield sse({**self._envelope([]), "usage": self._usage()})
