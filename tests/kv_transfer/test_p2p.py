@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from kiln.kv_transfer.p2p_wire import TransferError, fetch_blocks
 from kiln.testing.server import KilnServer, free_port, metric, scrape, wait_until_idle
 
 pytestmark = pytest.mark.slow
@@ -38,9 +39,10 @@ def prompt_of(topic: str) -> str:
     )
 
 
-TOPICS = ("potter's", "gone", "corrupt", "truncate", "stall", "streamed")
+TOPICS = ("potter's", "gone", "corrupt", "truncate", "stall", "streamed", "unsigned")
 PROMPT = prompt_of("potter's")
 MESSAGES = [{"role": "user", "content": "Describe a kiln. " + PROMPT}]
+SECRET = b"the instances' shared secret"
 
 
 def serve(kv_role: str, extra: dict, policy: str = "recompute") -> KilnServer:
@@ -114,13 +116,19 @@ class Relay:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[dict]:
+def cluster(tmp_path_factory) -> Iterator[dict]:
     kv_port = free_port()
+    # Every instance signs its pulls with one shared secret (so every test here runs with it).
+    secret = tmp_path_factory.mktemp("p2p") / "secret"
+    secret.write_bytes(SECRET)
+    signed = {"secret_file": str(secret)}
     servers: dict = {}
     try:
-        servers["prefill"] = serve("kv_producer", {"kv_port": kv_port, "kv_send_timeout": 4})
-        servers["decode"] = serve("kv_consumer", {"kv_load_timeout": 3})
-        servers["strict"] = serve("kv_consumer", {"kv_load_timeout": 3}, policy="fail")
+        servers["prefill"] = serve(
+            "kv_producer", {"kv_port": kv_port, "kv_send_timeout": 4, **signed}
+        )
+        servers["decode"] = serve("kv_consumer", {"kv_load_timeout": 3, **signed})
+        servers["strict"] = serve("kv_consumer", {"kv_load_timeout": 3, **signed}, policy="fail")
         servers["proxy"] = Proxy([servers["prefill"].url], [servers["decode"].url])
         servers["kv_port"] = kv_port
         yield servers
@@ -234,6 +242,23 @@ def test_a_streamed_prefill_carries_kv_transfer_params_on_its_last_chunk(cluster
     assert counter(decode, "loaded_blocks") > before
     assert_idle(cluster["prefill"])
     assert_idle(decode)
+
+
+def test_a_pull_without_the_secret_gets_no_kv_and_leaves_the_offer(cluster, reference):
+    prompt = prompt_of("unsigned")
+    params = remote_params(cluster, prompt)
+    layout = {"layer_block_bytes": [], "dtypes": []}  # refused before any layout is compared
+    for secret in (None, b"a guess"):
+        with pytest.raises(TransferError, match="not signed with the secret"):
+            fetch_blocks(
+                params["remote_host"], params["remote_port"], params["remote_request_id"],
+                params["remote_block_ids"], layout, 5.0, secret,
+            )  # fmt: skip
+    decode = cluster["decode"]
+    before = counter(decode, "loaded_blocks")
+    answer = complete(decode.url, prompt, extra_body={"kv_transfer_params": params})
+    assert answer.choices[0].text == reference[prompt]
+    assert counter(decode, "loaded_blocks") > before  # the real consumer still pulled them
 
 
 def test_a_producer_gone_before_the_pull_is_recomputed_or_an_error(cluster, reference):

@@ -23,7 +23,10 @@ cancels its pull: the pulled bytes are dropped, never written into blocks freed 
 
 ``kv_both`` does both. Options (``kv_connector_extra_config``): ``kv_host`` (default
 "127.0.0.1": the address the block server binds and advertises), ``kv_port`` (default 14579),
-``kv_send_timeout`` (60 s), ``kv_load_timeout`` (10 s). Single-rank engines only.
+``kv_send_timeout`` (60 s), ``kv_load_timeout`` (10 s), ``secret_file`` (none: a file whose
+bytes, the same on every instance, are the shared secret that signs each pull and its answer,
+``kiln.kv_transfer.p2p_wire``; without it anyone who can reach the block server and knows a
+request id can read that request's KV). Single-rank engines only.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ _DEFAULTS = {
     "kv_port": 14579,
     "kv_send_timeout": 60.0,
     "kv_load_timeout": 10.0,
+    "secret_file": None,
 }
 IDLE_WAIT_S = 0.005
 """How long a step without a forward waits for a transfer to finish (so an engine that only
@@ -113,7 +117,29 @@ def _options(config: KilnConfig) -> dict[str, Any]:
                 f"kv_transfer.kv_connector_extra_config.{name}={value!r} is invalid; allowed: "
                 "seconds above 0"
             )
+    extra["secret"] = _read_secret(extra["secret_file"])
     return extra
+
+
+def _read_secret(path: Any) -> bytes | None:
+    """The shared secret in the file ``path`` (None for no file).
+
+    Raises:
+        ValueError: not a path, unreadable, or empty.
+    """
+    if path is None:
+        return None
+    name = "kv_transfer.kv_connector_extra_config.secret_file"
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{name}={path!r} is invalid; allowed: the path of a non-empty file")
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise ValueError(f"{name}={path!r} cannot be read ({exc.strerror})") from None
+    if not secret:
+        raise ValueError(f"{name}={path!r} is empty; allowed: a file holding the secret")
+    return secret
 
 
 class P2pConnector(KVConnectorBase):
@@ -134,6 +160,7 @@ class P2pConnector(KVConnectorBase):
         self.port: int = options["kv_port"]
         self.send_timeout = float(options["kv_send_timeout"])
         self.load_timeout = float(options["kv_load_timeout"])
+        self.secret: bytes | None = options["secret"]
         self.block_size = config.cache.block_size
         # Scheduler side.
         self._step = P2pMetadata()
@@ -244,7 +271,7 @@ class P2pConnector(KVConnectorBase):
         }
         if self.saves:
             try:
-                self._server = BlockServer(self.host, self.port, self._read_blocks)
+                self._server = BlockServer(self.host, self.port, self._read_blocks, self.secret)
             except OSError as exc:
                 raise OSError(
                     f"kv_transfer.kv_connector_extra_config kv_host={self.host!r} kv_port="
@@ -279,6 +306,7 @@ class P2pConnector(KVConnectorBase):
                 load.remote_block_ids,
                 self._layout,
                 self.load_timeout,
+                self.secret,
             )
             self._pulls[request_id] = (load, future)
         if metadata.idle and self._pulls:

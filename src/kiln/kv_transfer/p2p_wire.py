@@ -8,6 +8,13 @@ and the payload: for each layer in order, the requested blocks' bytes as
 own, reads exactly ``payload_bytes`` and checks the CRC-32: a short, foreign or corrupt answer is
 a ``TransferError``, never KV.
 
+With a shared secret (both sides the same bytes) each pull carries ``auth``, an HMAC-SHA256 of
+its request id and block ids: a producer with a secret refuses a pull without the right one
+(and keeps the offer for the real consumer), so knowing a request id no longer suffices to read
+its KV. Its answer's header carries ``auth`` too, an HMAC of the request id and the payload's
+CRC-32, which a consumer with a secret checks: KV comes only from a producer that knows the
+secret. The bytes themselves travel in the clear (no encryption).
+
 ``BlockServer`` (producer) serves the blocks it is offered, each pull in a thread of its own,
 and reports a request done once its blocks are sent, or once its offer expires unpulled.
 ``fetch_blocks`` (consumer) is one bounded pull: every socket operation has a timeout.
@@ -18,6 +25,8 @@ This module knows sockets and bytes; which blocks and when is the connector's
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import socket
@@ -46,19 +55,28 @@ class TransferError(Exception):
     """A pull that gave no usable KV (refused, cut short, foreign or corrupt)."""
 
 
+def sign(secret: bytes, *parts: Any) -> str:
+    """HMAC-SHA256 of ``parts`` (as one JSON array) under ``secret``, in hex."""
+    return hmac.new(secret, json.dumps(parts).encode(), hashlib.sha256).hexdigest()
+
+
 class BlockServer:
     """Serves offered blocks to pulls on ``(host, port)``, in daemon threads.
 
     Args:
         read_blocks: reads the offered blocks' KV (called in a serving thread: the blocks are
             held for the offer, so nothing writes them meanwhile).
+        secret: the shared secret every pull must sign with (None: any pull is served).
 
     Raises:
         OSError: the port cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, read_blocks: ReadBlocks) -> None:
+    def __init__(
+        self, host: str, port: int, read_blocks: ReadBlocks, secret: bytes | None = None
+    ) -> None:
         self.read_blocks = read_blocks
+        self.secret = secret
         self._cond = threading.Condition()
         self._offers: dict[str, tuple[list[int], float]] = {}
         """Request id -> (its block ids, when the offer expires on the monotonic clock)."""
@@ -128,6 +146,12 @@ class BlockServer:
             request_id, block_ids = str(ask["request_id"]), list(ask["block_ids"])
         except (OSError, ValueError, KeyError, TypeError):
             return
+        if self.secret is not None and not hmac.compare_digest(
+            str(ask.get("auth", "")), sign(self.secret, request_id, block_ids)
+        ):
+            logger.warning("refused a pull of %r without the shared secret", request_id)
+            _send_header(sock, {"ok": False, "error": "the pull is not signed with the secret"})
+            return  # the offer stays for the consumer that has the secret
         offered = self._take_offer(request_id)
         if offered is None or not set(block_ids) <= set(offered):
             _send_header(sock, {"ok": False, "error": f"no blocks offered for {request_id!r}"})
@@ -137,7 +161,10 @@ class BlockServer:
         try:
             header, payload = self.read_blocks(block_ids)
             crc = zlib.crc32(payload)
-            _send_header(sock, {**header, "ok": True, "payload_bytes": len(payload), "crc32": crc})
+            header = {**header, "ok": True, "payload_bytes": len(payload), "crc32": crc}
+            if self.secret is not None:
+                header["auth"] = sign(self.secret, request_id, crc)
+            _send_header(sock, header)
             sock.sendall(payload)
             sent = True
         except Exception:  # the consumer went away, or the read failed: it recomputes or fails
@@ -176,12 +203,15 @@ def fetch_blocks(
     block_ids: list[int],
     layout: dict[str, Any],
     timeout_s: float,
+    secret: bytes | None = None,
 ) -> bytearray:
     """Pull ``block_ids`` of ``request_id`` from the producer at ``host:port``.
 
     Args:
         layout: this side's ``layer_block_bytes`` and ``dtypes``, which the answer must match.
         timeout_s: the bound on connecting and on each read.
+        secret: the shared secret to sign the pull with and to check the answer's ``auth``
+            against (None: neither).
 
     Returns:
         The payload (see the module docstring), checked.
@@ -191,8 +221,10 @@ def fetch_blocks(
     """
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            ask = json.dumps({"request_id": request_id, "block_ids": block_ids}).encode()
-            sock.sendall(MAGIC + ask + b"\n")
+            ask: dict[str, Any] = {"request_id": request_id, "block_ids": block_ids}
+            if secret is not None:
+                ask["auth"] = sign(secret, request_id, block_ids)
+            sock.sendall(MAGIC + json.dumps(ask).encode() + b"\n")
             (size,) = struct.unpack(">I", _recv_exactly(sock, 4))
             if size > MAX_REQUEST_LINE:
                 raise TransferError(f"a header of {size} bytes")
@@ -203,6 +235,10 @@ def fetch_blocks(
         raise TransferError(f"pull from {host}:{port} failed: {exc}") from exc
     if zlib.crc32(payload) != header["crc32"]:
         raise TransferError(f"pull from {host}:{port}: the payload's CRC-32 does not match")
+    if secret is not None and not hmac.compare_digest(
+        str(header.get("auth", "")), sign(secret, request_id, header["crc32"])
+    ):
+        raise TransferError(f"pull from {host}:{port}: the answer is not signed with the secret")
     return payload
 
 
@@ -222,4 +258,4 @@ def _check_header(header: Any, layout: dict[str, Any], num_blocks: int) -> None:
         raise TransferError("no CRC-32")
 
 
-__all__ = ["BlockServer", "TransferError", "fetch_blocks"]
+__all__ = ["BlockServer", "TransferError", "fetch_blocks", "sign"]
