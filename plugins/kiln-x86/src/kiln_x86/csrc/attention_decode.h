@@ -110,6 +110,20 @@ inline void chunk_offsets(const Problem& p, const int32_t* table, int64_t pos, i
   }
 }
 
+// Prefetch the K and V rows at `offset` (a chunk's) with hint kHint.
+template <typename T, int kD, int kHint>
+inline void prefetch_rows(const T* key_head, const T* value_head, const int64_t* offset) {
+  constexpr int kRowBytes = kD * static_cast<int>(sizeof(T));
+  for (int j = 0; j < kDecodeKeys; ++j) {
+    const char* k = reinterpret_cast<const char*>(key_head + offset[j]);
+    const char* v = reinterpret_cast<const char*>(value_head + offset[j]);
+    for (int b = 0; b < kRowBytes; b += 64) {
+      _mm_prefetch(k + b, static_cast<_mm_hint>(kHint));
+      _mm_prefetch(v + b, static_cast<_mm_hint>(kHint));
+    }
+  }
+}
+
 // Query heads g0 .. g0 + kRows - 1 of the item's group, head size kD.
 template <typename T, int kD, int kRows>
 void decode_rows(const Problem& p, const WorkItem& it, int64_t g0, const T* query,
@@ -144,28 +158,13 @@ void decode_rows(const Problem& p, const WorkItem& it, int64_t g0, const T* quer
     const int64_t num_keys = std::min<int64_t>(kDecodeKeys, range.hi - c0);
     if (c0 + kDecodeKeys < range.hi) {
       chunk_offsets(p, table, c0 + kDecodeKeys, range.hi, next);
-      constexpr int kRowBytes = kD * static_cast<int>(sizeof(T));
-      for (int j = 0; j < kDecodeKeys; ++j) {
-        const char* k = reinterpret_cast<const char*>(key_head + next[j]);
-        const char* v = reinterpret_cast<const char*>(value_head + next[j]);
-        for (int b = 0; b < kRowBytes; b += 64) {
-          _mm_prefetch(k + b, _MM_HINT_T0);
-          _mm_prefetch(v + b, _MM_HINT_T0);
-        }
-      }
+      prefetch_rows<T, kD, _MM_HINT_T0>(key_head, value_head, next);
       // The chunk after the next into L2: a chunk's compute is shorter than a trip to memory
       // for its 16 scattered rows, and L1 holds few misses in flight.
       if (c0 + kAheadKeys < range.hi) {
         int64_t ahead[kDecodeKeys];
         chunk_offsets(p, table, c0 + kAheadKeys, range.hi, ahead);
-        for (int j = 0; j < kDecodeKeys; ++j) {
-          const char* k = reinterpret_cast<const char*>(key_head + ahead[j]);
-          const char* v = reinterpret_cast<const char*>(value_head + ahead[j]);
-          for (int b = 0; b < kRowBytes; b += 64) {
-            _mm_prefetch(k + b, _MM_HINT_T1);
-            _mm_prefetch(v + b, _MM_HINT_T1);
-          }
-        }
+        prefetch_rows<T, kD, _MM_HINT_T1>(key_head, value_head, ahead);
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << num_keys) - 1);
