@@ -14,6 +14,7 @@ import os
 import pathlib
 import platform
 import shutil
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,6 +72,26 @@ def _complete(http: httpx.Client, model: str) -> httpx.Response:
         "ignore_eos": True,
     }
     return http.post("/v1/completions", json=body)
+
+
+def _stream(http: httpx.Client, model: str, started: threading.Semaphore) -> tuple[int, str]:
+    """A streamed ``_complete``: (status, text); releases ``started`` at its first chunk (the
+    request was admitted) or at its error."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    with http.stream(
+        "POST", "/v1/completions", json={**body, "ignore_eos": True, "stream": True}
+    ) as r:
+        if r.status_code != 200:
+            started.release()
+            return r.status_code, r.read().decode()
+        texts = []
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if not texts:
+                started.release()
+            texts.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+        return r.status_code, "".join(texts)
 
 
 def _models(http: httpx.Client) -> dict[str, dict]:
@@ -148,8 +169,11 @@ def _base_name(http: httpx.Client) -> str:
 
 def test_load_and_unload_while_requests_run(http, adapters, expected):
     base_name = _base_name(http)
+    started = threading.Semaphore(0)
     with ThreadPoolExecutor(8) as pool:
-        running = [pool.submit(_complete, http, "a0") for _ in range(3)]
+        running = [pool.submit(_stream, http, "a0", started) for _ in range(3)]
+        for _ in running:  # each admitted (its first chunk came) before a0 is unloaded
+            assert started.acquire(timeout=120)
         for adapter in adapters[1:]:
             body = {"lora_name": adapter.name, "lora_path": adapter.path}
             response = http.post("/v1/load_lora_adapter", json=body)
@@ -162,9 +186,9 @@ def test_load_and_unload_while_requests_run(http, adapters, expected):
         response = http.post("/v1/unload_lora_adapter", json={"lora_name": "a0"})
         assert response.status_code == 200, response.text
         for future in running:  # admitted before the unload: they finish with a0
-            result = future.result()
-            assert result.status_code == 200, result.text
-            assert result.json()["choices"][0]["text"] == expected["a0"]
+            status, text = future.result()
+            assert status == 200, text
+            assert text == expected["a0"]
         for name, future in more:
             result = future.result()
             assert result.status_code == 200, result.text
