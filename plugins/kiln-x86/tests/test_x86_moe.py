@@ -17,7 +17,7 @@ from kiln.model_executor.layers.fused_moe import FusedMoE, fused_moe_reference
 
 pytestmark = pytest.mark.plugin
 
-E, H, INTER = 8, 96, 40  # H and INTER not multiples of the kernel's 16 lanes or row blocks
+E, H, INTER = 8, 88, 40  # H and INTER not multiples of the kernel's 16 or 32 lanes or row blocks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,10 +117,11 @@ def test_only_the_routed_experts_weights_are_read():
     torch.testing.assert_close(moe.fused_moe(layer, x, logits), want, rtol=1e-5, atol=1e-6)
 
 
-def test_decode_sizes_go_to_the_kernel_and_prefills_to_the_reference():
-    layer = make_layer(2, True, "softmax", torch.float32)
-    small, _ = inputs(moe.MOE_MAX_TOKENS, torch.float32)
-    large, _ = inputs(moe.MOE_MAX_TOKENS + 1, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sizes_go_to_the_kernel_and_prefills_to_the_reference(dtype):
+    layer = make_layer(2, True, "softmax", dtype)
+    small, _ = inputs(moe.MOE_MAX_TOKENS[dtype], dtype)
+    large, _ = inputs(moe.MOE_MAX_TOKENS[dtype] + 1, dtype)
     assert moe._supports(layer, small, small[:, :E])
     assert not moe._supports(layer, large, large[:, :E])
     assert not moe._supports(layer, small.half(), small[:, :E])
