@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from kiln_x86 import kernels
 
 PROBE = """#include <pybind11/pybind11.h>
@@ -31,17 +33,22 @@ def _load_probe(source, cache) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow
-def test_a_stale_torch_build_lock_does_not_block_loading(tmp_path) -> None:
-    """torch's build lock is a file deleted when a build ends; one left by a killed build (here
-    written by hand next to a finished build) made every later load wait forever."""
+def _built_probe(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The probe's source, cache and build folder, built there once (skips without a compiler)."""
     source, cache = tmp_path / "probe.cpp", tmp_path / "cache"
     source.write_text(PROBE)
     built = _load_probe(source, cache)
     if built.stdout.strip() == "None":
         pytest.skip("no compiler here: the kernels cannot be built")
     assert built.stdout.strip() == "1", built.stderr[-2000:]
-    build_dir = cache / kernels.extension_name("stale_lock_probe", source)
+    return source, cache, cache / kernels.extension_name("stale_lock_probe", source)
+
+
+@pytest.mark.slow
+def test_a_stale_torch_build_lock_does_not_block_loading(tmp_path) -> None:
+    """torch's build lock is a file deleted when a build ends; one left by a killed build (here
+    written by hand next to a finished build) made every later load wait forever."""
+    source, cache, build_dir = _built_probe(tmp_path)
     assert any(build_dir.glob("*.so"))
     (build_dir / "lock").write_text("")
     done = _load_probe(source, cache)
@@ -61,15 +68,33 @@ def test_a_changed_shared_header_names_a_new_build(tmp_path) -> None:
     assert kernels.extension_name("k", source) != before
 
 
-def test_each_torch_installation_names_its_own_build(tmp_path) -> None:
-    """A build's command names torch's folder; two virtual environments (a worktree's and the main
-    checkout's) sharing one build name rebuilt it, in turn, each time the other loaded it."""
+def test_a_build_is_named_after_the_torch_build_not_its_folder(tmp_path) -> None:
+    """Every fresh clone has its own virtual environment: a name that hashed torch's folder made
+    each one rebuild every kernel (minutes of a CI run)."""
     source = tmp_path / "kernel.cpp"
     source.write_text("int f() { return 1; }\n")
     here = kernels.extension_name("k", source)
-    assert kernels.extension_name("k", source, torch_dir=kernels.torch_install()) == here
-    other = kernels.torch_install().replace("/site-packages/", "/other-venv/site-packages/")
-    assert kernels.extension_name("k", source, torch_dir=other) != here
+    assert kernels.extension_name("k", source, build=kernels.torch_build()) == here
+    other = kernels.torch_build().replace(torch.__version__, "2.0.0")
+    assert kernels.extension_name("k", source, build=other) != here
+
+
+@pytest.mark.slow
+def test_another_environments_build_loads_without_a_rebuild(tmp_path) -> None:
+    """A build made by another virtual environment (whose build commands name its own torch
+    folder: ninja's log of their hashes is edited here as that environment's would differ) is
+    imported as it is; torch's loader would rebuild it."""
+    source, cache, build_dir = _built_probe(tmp_path)
+    (library,) = build_dir.glob("*.so")
+    mtime = library.stat().st_mtime_ns
+    log = build_dir / ".ninja_log"
+    lines = log.read_text().splitlines()
+    entries = [line.rsplit("\t", 1)[0] + "\t0000000000000000" for line in lines[1:]]
+    assert entries, "ninja logged no build step"
+    log.write_text("\n".join([lines[0], *entries]) + "\n")
+    again = _load_probe(source, cache)
+    assert again.stdout.strip() == "1", again.stderr[-2000:]
+    assert library.stat().st_mtime_ns == mtime, "the library was rebuilt"
 
 
 def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:
@@ -105,6 +130,7 @@ def test_a_header_renames_only_the_builds_that_include_it(tmp_path) -> None:
 
 BUILD = """
 import sys
+from pathlib import Path
 from pathlib import Path
 from kiln_x86 import kernels
 module = kernels.load_extension("twin", Path(sys.argv[1]) / "twin.cpp")

@@ -2,7 +2,8 @@
 
 Contract: ``load_kernels()`` returns the compiled module (``rms_norm``, ``silu_and_mul``,
 ``rotary_embedding``; the same ops are also ``torch.ops.kiln_x86.*``), building it on first use
-with ``torch.utils.cpp_extension.load`` into a cache directory that later processes reuse:
+with ``torch.utils.cpp_extension.load`` into a cache directory that later processes, of any
+checkout or virtual environment with the same torch build, import as it is:
 ``$KILN_X86_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln-x86`` (``~/.cache/kiln-x86``). The build is
 compiled for this CPU (``-march=native``), so its name carries the instruction sets found, and a
 machine with other ones builds its own. It returns None, once logged, when the build fails (no
@@ -22,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -102,31 +104,47 @@ def included_files(source: Path) -> list[Path]:
     return [source, *sorted(found - {source})]
 
 
-def torch_install() -> str:
-    """This interpreter's torch: its version and the folder it is installed in. A build's command
-    names torch's headers and libraries by that folder, and torch rebuilds a build whose command
-    changed."""
+def torch_build() -> str:
+    """This interpreter's torch build (version and commit) and Python ABI: an extension built
+    against them loads in every environment that has them, wherever torch is installed (it
+    links torch's libraries by name, and torch has loaded them already)."""
     import torch
 
-    return f"{torch.__version__} {Path(torch.__file__).parent}"
+    abi = sysconfig.get_config_var("EXT_SUFFIX")
+    return f"{torch.__version__} {torch.version.git_version} {abi}"
 
 
 def extension_name(
     stem: str = "kiln_x86_ops",
     source: Path = SOURCE,
     cflags: list[str] = CFLAGS,
-    torch_dir: str | None = None,
+    build: str | None = None,
 ) -> str:
-    """``<stem>_<isa>_<hash of source, the headers it includes, flags and torch>``: one build per
-    CPU kind, source and torch installation (``torch_dir``, default ``torch_install()``). A
-    header's change rebuilds the kernels that include it, and only those. Two virtual
-    environments (a git worktree's beside the main checkout's) sharing one build each rebuilt it
-    whenever the other had loaded it last (minutes per kernel, in the middle of a test run)."""
+    """``<stem>_<isa>_<hash of source, the headers it includes, flags and torch build>``: one
+    build per CPU kind, source and torch build (``build``, default ``torch_build()``), shared by
+    every checkout and virtual environment on the machine. A header's change rebuilds the kernels
+    that include it, and only those."""
     isa = "_".join(name for name, present in cpu_features().items() if present) or "base"
     data = b"".join(path.read_bytes() for path in included_files(source))
-    toolchain = torch_dir if torch_dir is not None else torch_install()
+    toolchain = build if build is not None else torch_build()
     digest = hashlib.sha256(data + " ".join([*cflags, toolchain]).encode()).hexdigest()[:10]
     return f"{stem}_{isa}_{digest}"
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The extension ``name`` from its library in ``build_dir``, or None where none is built.
+    Imported as it is, not through ``cpp_extension.load``: that rebuilds a library whose build
+    command changed, and the command names the torch folder of the environment that built it
+    (a fresh clone's virtual environment then rebuilt every kernel)."""
+    library = build_dir / f"{name}.so"
+    if not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _copy_sources(source: Path, build_dir: Path) -> Path:
@@ -160,7 +178,7 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
         return _STATE[stem]
     name = extension_name(stem, source, cflags)
     build_dir = cache_dir() / name
-    cached = any(build_dir.glob(f"{name}*.so")) if build_dir.exists() else False
+    cached = (build_dir / f"{name}.so").exists()
     if not cached:
         logger.warning(
             "kiln-x86: compiling its C++ kernels (%s) into %s (once per machine; about a minute)",
@@ -179,7 +197,7 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
 
         build_dir.mkdir(parents=True, exist_ok=True)
         with _build_lock(build_dir):
-            module = cpp_extension.load(
+            module = _import_built(name, build_dir) or cpp_extension.load(
                 name=name,
                 sources=[str(_copy_sources(source, build_dir))],
                 extra_cflags=cflags,

@@ -1,6 +1,6 @@
 // kiln-x86: a float32 dot product of a float32 or bfloat16 row with a float32 vector, in
 // kLanes partial sums (a loop the compiler vectorizes without reassociating a single sum), shared
-// by the decode-sized kernels (x86_lora.cpp, x86_moe.cpp).
+// by the decode-sized kernels (x86_lora.cpp).
 #pragma once
 
 #include <cstdint>

@@ -81,7 +81,9 @@ void dot_rows(const TA* a, const TX* const* x, int64_t n, float* out) {
         const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
         w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
       }
-      for (int t = 0; t < kRows; ++t) acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[t] + i), acc[t]);
+      for (int t = 0; t < kRows; ++t) {
+        acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[t] + i), acc[t]);
+      }
     }
   }
   for (int t = 0; t < kRows; ++t) sum[t] = _mm512_reduce_add_ps(acc[t]);
