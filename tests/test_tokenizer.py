@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import kiln.tokenizer_cache
 from kiln.model_executor.loader.default_model import default_model_path
 from kiln.tokenizer import Tokenizer, load_tokenizer
 
@@ -350,3 +351,91 @@ def test_no_template_and_bad_sources(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+# -- the cache of converted GGUF tokenizers ------------------------------------------------------
+SPECIALS = "<|im_start|>user\nhi<|im_end|>"
+
+
+def _assert_same_as_transformers(tokenizer: Tokenizer, hf_smollm: Any) -> None:
+    for text in [*TEXTS, SPECIALS]:
+        ids = tokenizer.encode(text)
+        assert ids == hf_smollm.encode(text), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert tokenizer.hf_tokenizer.get_vocab() == hf_smollm.get_vocab()
+    assert tokenizer.all_special_ids == list(hf_smollm.all_special_ids)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages) == hf_smollm.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tokenizer cache of the test's own."""
+    monkeypatch.setenv("KILN_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if not p.name.startswith("."))
+
+
+@pytest.mark.slow
+def test_a_converted_gguf_tokenizer_is_kept_and_read_back_the_same(
+    cache: Path, hf_smollm: Any
+) -> None:
+    converted = load_tokenizer(default_model_path())
+    [entry] = _entries(cache)
+    assert (entry / "tokenizer.json").is_file()
+    assert converted.hf_tokenizer.name_or_path != str(entry)  # converted from the GGUF
+    cached = load_tokenizer(default_model_path())
+    assert cached.hf_tokenizer.name_or_path == str(entry)  # read from the cache
+    assert type(cached.hf_tokenizer) is type(converted.hf_tokenizer)
+    _assert_same_as_transformers(converted, hf_smollm)
+    _assert_same_as_transformers(cached, hf_smollm)
+    assert _entries(cache) == [entry]
+    assert not list(cache.glob(".partial-*"))
+
+
+@pytest.mark.slow
+def test_a_damaged_or_stale_entry_is_converted_again(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_smollm: Any
+) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(Path(default_model_path()).read_bytes())
+    load_tokenizer(str(gguf))
+    [entry] = _entries(cache)
+    # A torn tokenizer.json (a crash, a full disk) is a miss; the entry is written anew.
+    (entry / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    _assert_same_as_transformers(load_tokenizer(str(gguf)), hf_smollm)
+    assert load_tokenizer(str(gguf)).hf_tokenizer.name_or_path == str(entry)
+    # A file changed in place gets an entry of its own.
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    converted = load_tokenizer(str(gguf))
+    assert converted.hf_tokenizer.name_or_path != str(entry)
+    assert len(_entries(cache)) == 2
+    [later] = [p for p in _entries(cache) if p != entry]
+    # Past the bound, the least recently used entries go: the first, read again, stays.
+    monkeypatch.setattr(kiln.tokenizer_cache, "TOKENIZER_CACHE_ENTRIES", 2)
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert load_tokenizer(str(gguf)).hf_tokenizer.name_or_path == str(entry)
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    load_tokenizer(str(gguf))  # a third entry: the second, least recently used, goes
+    kept = _entries(cache)
+    assert len(kept) == 2 and entry in kept and later not in kept
+
+
+def test_no_cache_when_it_is_off_or_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KILN_TOKENIZER_CACHE", "0")
+    assert load_tokenizer(default_model_path()).encode("Hello world!") == [19556, 905, 17]
+    assert not (tmp_path / "home").exists()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("KILN_TOKENIZER_CACHE", str(blocked / "cache"))
+    assert load_tokenizer(default_model_path()).encode("Hello world!") == [19556, 905, 17]

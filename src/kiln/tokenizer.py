@@ -11,6 +11,8 @@ Contract: ``load_tokenizer(source)`` reads a ``.gguf`` file or a folder with ``t
 - The chat template is the model's own Jinja template (GGUF ``tokenizer.chat_template`` or the
   folder's), rendered in a sandbox configured as ``transformers`` does.
 
+A GGUF's vocabulary is converted to a fast tokenizer once per file (``kiln.tokenizer_cache``).
+
 The engine knows nothing about tokenization; this module knows nothing about the engine.
 """
 
@@ -366,17 +368,11 @@ def load_tokenizer(source: str) -> Tokenizer:
 
 
 def _load_gguf(path: str) -> Tokenizer:
-    # PreTrainedTokenizerFast directly, not AutoTokenizer: both convert the GGUF vocabulary to the
-    # same generic fast tokenizer, but AutoTokenizer first builds the model config from the whole
-    # file (~4 s for SmolLM2 against ~0.6 s).
-    from transformers import PreTrainedTokenizerFast
-
     from kiln.model_executor.loader.gguf_loader import open_gguf
+    from kiln.tokenizer_cache import gguf_fast_tokenizer
 
     path = os.path.abspath(path)
-    hf = PreTrainedTokenizerFast.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-    )
+    hf = gguf_fast_tokenizer(path)
     fields = open_gguf(path).fields
 
     def meta(key: str) -> Any:

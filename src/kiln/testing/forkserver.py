@@ -3,15 +3,17 @@
 A test that runs ``python ARGS`` (``run_python``, ``kiln.testing.server.KilnServer``) pays about
 2 s of interpreter start and ``import torch`` before its command does anything; Kiln's own suite
 starts a few hundred such processes. ``ForkServer`` keeps one process per test process that has
-imported torch and nothing of Kiln, and forks it for each command: the child sets the command's
-environment, working directory and standard streams, then runs ``-m MODULE``, ``-c CODE`` or a
-script the way the interpreter would, and exits as the interpreter would (atexit handlers, the
-exit status of ``SystemExit``, a traceback and status 1 for an uncaught exception).
+imported torch, transformers' tokenizers and the HTTP server (``PRELOAD``) and nothing of Kiln,
+and forks it for each command: the child sets the command's environment, working directory and
+standard streams, then runs ``-m MODULE``, ``-c CODE`` or a script the way the interpreter would,
+and exits as the interpreter would (atexit handlers, the exit status of ``SystemExit``, a
+traceback and status 1 for an uncaught exception).
 
-A command is forked only when nothing read at interpreter start or at ``import torch`` differs
-from the server's own environment (``PYTHON*``, ``LD_*``, OpenMP and BLAS variables, ...) and its
-arguments are one of those three forms; otherwise ``popen`` starts it the ordinary way. Set
-``KILN_TEST_FORK_SERVER=0`` to start every command the ordinary way.
+A command is forked only when nothing read at interpreter start or while the preloaded modules
+import differs from the server's own environment (``PYTHON*``, ``LD_*``, OpenMP and BLAS
+variables, Hugging Face's, ...) and its arguments are one of those three forms; otherwise
+``popen`` starts it the ordinary way. Set ``KILN_TEST_FORK_SERVER=0`` to start every command
+the ordinary way.
 
 The server (this file, run as a script) uses only the standard library until it imports what it
 preloads.
@@ -34,9 +36,10 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 DISABLE_ENV = "KILN_TEST_FORK_SERVER"
-PRELOAD = ("torch",)
-"""What the server imports before it forks: third-party only, never Kiln (whose modules read
-``KILN_*`` variables, which tests vary)."""
+PRELOAD = ("torch", "transformers.tokenization_utils_fast", "fastapi", "uvicorn")
+"""What the server imports before it forks (about 1 s of a ``kiln serve`` start besides torch's
+1.3 s): third-party only, never Kiln (whose modules read ``KILN_*`` variables, which tests
+vary)."""
 
 # Variables read at interpreter start-up or while the preloaded modules import: a command that
 # changes one of these gets a process started the ordinary way.
@@ -49,6 +52,10 @@ _STARTUP_PREFIXES = (
     "MKL_",
     "OPENBLAS_",
     "TORCH",
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TOKENIZERS",
     "ATEN_",
     "DNNL_",
     "ONEDNN_",
