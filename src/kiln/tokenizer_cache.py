@@ -73,7 +73,8 @@ def _cache_entry(path: str) -> str | None:
 def _load_cached(entry: str) -> Any:
     """The tokenizer kept in ``entry``, or None (absent, or not loadable: converted again)."""
     if not os.path.isfile(os.path.join(entry, "tokenizer.json")):
-        shutil.rmtree(entry, ignore_errors=True)  # absent, or an entry someone emptied
+        if os.path.isdir(entry):  # an entry someone emptied: in the way of a new one
+            shutil.rmtree(entry, ignore_errors=True)
         return None
     from transformers import PreTrainedTokenizerFast
 
